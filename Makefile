@@ -1,0 +1,24 @@
+# Caches live outside the clone so repeated runs (and CI's fresh clones) reuse them:
+#   $(DISAGG_CACHE)/venv   the Python environment
+#   $(DISAGG_CACHE)/bin    control-plane binaries built from Go modules
+#   Go's own module and build caches (go env GOMODCACHE GOCACHE)
+DISAGG_CACHE ?= $(HOME)/.cache/disagg
+export DISAGG_CACHE
+VENV := $(DISAGG_CACHE)/venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test venv binaries
+
+demo: venv binaries
+	$(BIN)/disagg demo
+
+test: venv binaries
+	$(BIN)/pytest
+
+# The editable install is redone every time because the venv is shared between clones.
+venv:
+	@test -x $(BIN)/python || python3 -m venv $(VENV)
+	@$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+
+binaries: venv
+	$(BIN)/disagg cluster build

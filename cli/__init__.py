@@ -1,0 +1,3 @@
+"""disagg: disaggregated vLLM serving on Kubernetes."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,279 @@
+"""Run a real local control plane: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok,
+all as child processes of this one, plus the simulated fleet from `fleet.py`.
+
+Children die with their parent (PR_SET_PDEATHSIG), so a killed test run leaves nothing behind. When a
+component fails to start, the error names it and points at its log.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+from lightkube import Client, KubeConfig, codecs
+from lightkube.resources.core_v1 import Node
+
+from . import build
+from .fleet import FleetSpec, build_nodes
+from .pki import SERVICE_CIDR, Credentials, ensure_credentials
+
+STAGES_FILE = Path(__file__).resolve().parent / "kwok-stages.yaml"
+
+
+class ComponentFailed(RuntimeError):
+    """A control-plane component did not come up. The message names it and its log."""
+
+    def __init__(self, component: str, reason: str, log: Path):
+        tail = ""
+        if log.exists():
+            lines = log.read_text(errors="replace").splitlines()[-15:]
+            tail = "\n  | " + "\n  | ".join(lines) if lines else ""
+        super().__init__(f"{component} failed to start: {reason}; log: {log}{tail}")
+        self.component, self.log = component, log
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Process:
+    name: str
+    argv: list[str]
+    log: Path
+    popen: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True, preexec_fn=_die_with_parent)
+
+    def exited(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        try:
+            self.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "disagg"
+    fleet: FleetSpec = field(default_factory=FleetSpec)
+    state_dir: Path | None = None
+    bin_dir: Path | None = None
+    # Ports are normally picked free at start; tests pin one to provoke a real bind failure.
+    etcd_port: int | None = None
+    startup_timeout: float = 120.0
+
+
+class LocalCluster:
+    def __init__(self, config: ClusterConfig | None = None):
+        self.config = config or ClusterConfig()
+        self.dir = self.config.state_dir or (build.cache_dir() / "clusters" / self.config.name)
+        self.bin = self.config.bin_dir or build.bin_dir()
+        self.processes: list[Process] = []
+        self.kubeconfig = self.dir / "kubeconfig"
+        self.creds: Credentials | None = None
+        self.server = ""
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def start(self, progress: Callable[[str], None] = lambda _m: None) -> "LocalCluster":
+        missing = [b for b in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+                   if not (self.bin / b).exists()]
+        if missing:
+            raise FileNotFoundError(f"control-plane binaries missing in {self.bin}: {', '.join(missing)}; "
+                                    f"run `disagg cluster build`")
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+        (self.dir / "logs").mkdir(parents=True)
+        self.creds = ensure_credentials(self.dir / "pki")
+        t0 = time.monotonic()
+        try:
+            self._start_etcd(progress)
+            self._start_apiserver(progress)
+            self._write_kubeconfig()
+            self._start_controllers(progress)
+            self._create_fleet(progress)
+        except BaseException:
+            self.stop()
+            raise
+        progress(f"cluster {self.config.name} up in {time.monotonic() - t0:.1f}s; KUBECONFIG={self.kubeconfig}")
+        return self
+
+    def stop(self) -> None:
+        for p in reversed(self.processes):
+            p.stop()
+        self.processes.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self.processes if p.popen is not None]
+
+    # -- components --------------------------------------------------------------------------------------
+    def _spawn(self, name: str, argv: list[str]) -> Process:
+        p = Process(name, argv, self.dir / "logs" / f"{name}.log")
+        p.start()
+        self.processes.append(p)
+        return p
+
+    def _await(self, proc: Process, check: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout
+        delay = 0.05
+        while time.monotonic() < deadline:
+            code = proc.exited()
+            if code is not None:
+                raise ComponentFailed(proc.name, f"exited with code {code} before becoming {what}", proc.log)
+            try:
+                if check():
+                    return
+            except (OSError, urllib.error.URLError, ValueError):
+                pass
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+        raise ComponentFailed(proc.name, f"not {what} after {self.config.startup_timeout:.0f}s", proc.log)
+
+    def _start_etcd(self, progress) -> None:
+        client, peer = self.config.etcd_port or free_port(), free_port()
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        progress(f"starting etcd on {self.etcd_url}")
+        p = self._spawn("etcd", [
+            str(self.bin / "etcd"), "--name", "default", "--data-dir", str(self.dir / "etcd"),
+            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"default=http://127.0.0.1:{peer}",
+            # A throwaway test store: durability is not worth an fsync per write on a shared 2-core box.
+            "--unsafe-no-fsync", "--quota-backend-bytes", str(4 << 30), "--log-level", "warn",
+        ])
+        self._await(p, lambda: json.load(urllib.request.urlopen(f"{self.etcd_url}/health", timeout=2))
+                    .get("health") == "true", "healthy")
+
+    def _tls(self) -> ssl.SSLContext:
+        assert self.creds is not None
+        return ssl.create_default_context(cafile=str(self.creds.ca_cert))
+
+    def _get(self, url: str, token: str | None = None, tls: ssl.SSLContext | None = None) -> bytes:
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        ctx = tls
+        if ctx is None and url.startswith("https"):
+            ctx = ssl._create_unverified_context()  # components' self-signed health endpoints
+        return urllib.request.urlopen(req, timeout=2, context=ctx).read()
+
+    def _start_apiserver(self, progress) -> None:
+        assert self.creds is not None
+        port = free_port()
+        self.server = f"https://127.0.0.1:{port}"
+        progress(f"starting kube-apiserver on {self.server}")
+        c = self.creds
+        p = self._spawn("kube-apiserver", [
+            str(self.bin / "kube-apiserver"),
+            f"--etcd-servers={self.etcd_url}", f"--secure-port={port}", "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1", f"--tls-cert-file={c.serving_cert}",
+            f"--tls-private-key-file={c.serving_key}", f"--client-ca-file={c.ca_cert}",
+            f"--token-auth-file={c.token_file}", "--authorization-mode=RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={c.sa_pub}", f"--service-account-signing-key-file={c.sa_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            # EFA pods need privileged or IPC_LOCK; the apiserver must allow the former to test it.
+            "--allow-privileged=true",
+            f"--cert-dir={self.dir / 'apiserver-certs'}",
+            "--profiling=false", "--v=1",
+        ])
+        self._await(p, lambda: self._get(f"{self.server}/readyz", c.admin_token, self._tls()) == b"ok", "ready")
+
+    def _write_kubeconfig(self) -> None:
+        assert self.creds is not None
+        cfg = {
+            "apiVersion": "v1", "kind": "Config", "current-context": self.config.name,
+            "clusters": [{"name": self.config.name, "cluster": {
+                "server": self.server, "certificate-authority": str(self.creds.ca_cert)}}],
+            "users": [{"name": "admin", "user": {"token": self.creds.admin_token}}],
+            "contexts": [{"name": self.config.name, "context": {"cluster": self.config.name, "user": "admin",
+                                                                "namespace": "default"}}],
+        }
+        self.kubeconfig.write_text(yaml.safe_dump(cfg))
+        self.kubeconfig.chmod(0o600)
+
+    def _start_controllers(self, progress) -> None:
+        assert self.creds is not None
+        kc = str(self.kubeconfig)
+        kcm_port, sched_port, kwok_port = free_port(), free_port(), free_port()
+        progress("starting kube-controller-manager, kube-scheduler and kwok")
+        kcm = self._spawn("kube-controller-manager", [
+            str(self.bin / "kube-controller-manager"), f"--kubeconfig={kc}", "--leader-elect=false",
+            f"--service-account-private-key-file={self.creds.sa_key}", f"--root-ca-file={self.creds.ca_cert}",
+            f"--cluster-name={self.config.name}", "--bind-address=127.0.0.1", f"--secure-port={kcm_port}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}", "--v=1",
+        ])
+        sched = self._spawn("kube-scheduler", [
+            str(self.bin / "kube-scheduler"), f"--kubeconfig={kc}", "--leader-elect=false",
+            "--bind-address=127.0.0.1", f"--secure-port={sched_port}", "--v=1",
+        ])
+        kwok = self._spawn("kwok", [
+            str(self.bin / "kwok"), f"--kubeconfig={kc}", f"--config={STAGES_FILE}",
+            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+            f"--server-address=127.0.0.1:{kwok_port}", "--node-lease-duration-seconds=40",
+            "--cidr=10.244.0.0/16",
+        ])
+        self._await(kcm, lambda: self._get(f"https://127.0.0.1:{kcm_port}/healthz") == b"ok", "healthy")
+        self._await(sched, lambda: self._get(f"https://127.0.0.1:{sched_port}/healthz") == b"ok", "healthy")
+        self._await(kwok, lambda: self._get(f"http://127.0.0.1:{kwok_port}/healthz") == b"ok", "healthy")
+        # Pods need the `default` ServiceAccount, which the controller-manager creates asynchronously.
+        self._await(kcm, lambda: bool(self._get(f"{self.server}/api/v1/namespaces/default/serviceaccounts/default",
+                                                self.creds.admin_token, self._tls())), "serving ServiceAccounts")
+
+    def client(self) -> Client:
+        return Client(KubeConfig.from_file(self.kubeconfig))
+
+    def _create_fleet(self, progress) -> None:
+        nodes = build_nodes(self.config.fleet)
+        progress(f"creating {len(nodes)} simulated nodes")
+        client = self.client()
+        for node in nodes:
+            client.create(codecs.from_dict(node))
+        kwok = next(p for p in self.processes if p.name == "kwok")
+
+        def schedulable(n: Node) -> bool:
+            # Ready, and the node-lifecycle controller has lifted the not-ready taint it puts on new nodes.
+            return any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) and \
+                not any(t.key.startswith("node.kubernetes.io/") for t in (n.spec.taints or []))
+
+        def all_ready() -> bool:
+            return sum(1 for n in client.list(Node) if schedulable(n)) == len(nodes)
+
+        self._await(kwok, all_ready, f"reporting all {len(nodes)} nodes Ready")

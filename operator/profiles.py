@@ -1,0 +1,66 @@
+"""Accelerator profiles: what one node of each supported instance type offers, and what an engine pod on it
+needs. Data, not logic; the CRD's CEL rules and the pod builders both read it.
+
+Security choice per profile (documented in the README): NVIDIA profiles run the engine `privileged`, because
+registering GPU memory with the EFA NIC (`fi_mr_reg` over dmabuf/peer-memory) needs more than IPC_LOCK on
+stock EKS AMIs (NVIDIA Dynamo's EFA guide). Trainium profiles use IPC_LOCK only: the Neuron driver exposes
+its devices through the device plugin and libfabric only needs to pin host memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GPU = "nvidia.com/gpu"
+NEURON = "aws.amazon.com/neuron"
+EFA = "vpc.amazonaws.com/efa"
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    instance_type: str
+    accelerator_resource: str
+    # Parallel ranks one node can host (GPUs, or logical NeuronCores at the default LNC=2 for trn2).
+    ranks_per_node: int
+    # Ranks served by one device of `accelerator_resource` (1 GPU; 2 NeuronCores per trn1 chip, 4 logical per trn2).
+    ranks_per_device: int
+    efa_per_node: int
+    privileged: bool
+    hugepages_2mi: str = "5120Mi"
+    shm_size: str = "64Gi"
+    tolerations: tuple[tuple[str, str], ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+
+    def devices_for(self, ranks: int) -> int:
+        return -(-ranks // self.ranks_per_device)
+
+    def efa_for(self, ranks: int) -> int:
+        """EFA devices in proportion to the node share the pod takes (p5en: 2 per GPU)."""
+        return self.efa_per_node * self.devices_for(ranks) // (self.ranks_per_node // self.ranks_per_device)
+
+
+# libfabric settings from AWS's EFA guidance for GPU-direct RDMA.
+_EFA_ENV = {
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_USE_HUGE_PAGE": "1",
+    "FI_EFA_ENABLE_SHM_TRANSFER": "0",
+    "FI_EFA_FORK_SAFE": "1",
+    "FI_EFA_MR_MAX_CACHED_COUNT": "524288",
+    "FI_EFA_MR_MAX_CACHED_SIZE": "0",
+    "LD_LIBRARY_PATH": "/opt/amazon/efa/lib:/opt/amazon/openmpi/lib:/usr/local/lib",
+}
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile("nvidia-h200", "p5en.48xlarge", GPU, 8, 1, 16, True, tolerations=((GPU, "NoSchedule"),),
+                env=_EFA_ENV),
+        Profile("nvidia-h100", "p5.48xlarge", GPU, 8, 1, 32, True, tolerations=((GPU, "NoSchedule"),),
+                env=_EFA_ENV),
+        Profile("trainium2", "trn2.48xlarge", NEURON, 64, 4, 16, False, tolerations=((NEURON, "NoSchedule"),),
+                env={**_EFA_ENV, "FI_EFA_USE_DEVICE_RDMA": "1", "NEURON_RT_VIRTUAL_CORE_SIZE": "2"}),
+        Profile("trainium1", "trn1.32xlarge", NEURON, 32, 2, 8, False, tolerations=((NEURON, "NoSchedule"),),
+                env={**_EFA_ENV, "FI_EFA_USE_DEVICE_RDMA": "1"}),
+    )
+}

@@ -1,0 +1,50 @@
+"""Session fixtures. The local control plane starts once per test session; DISAGG_TEST_KUBECONFIG points
+the same tests at an existing cluster (kind, EKS) instead."""
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from lightkube import Client, KubeConfig
+from lightkube.resources.core_v1 import Namespace
+from lightkube.models.meta_v1 import ObjectMeta
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/support
+
+
+@dataclass
+class TestCluster:
+    kubeconfig: Path
+    client: Client
+    local: object | None  # LocalCluster when we started it
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    existing = os.environ.get("DISAGG_TEST_KUBECONFIG")
+    if existing:
+        yield TestCluster(Path(existing), Client(KubeConfig.from_file(existing)), None)
+        return
+    from disagg.devcluster import build
+    from disagg.devcluster.cluster import ClusterConfig, LocalCluster
+
+    build.ensure_built(quiet=True)
+    local = LocalCluster(ClusterConfig(name="pytest"))
+    local.start(progress=lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        yield TestCluster(local.kubeconfig, local.client(), local)
+    finally:
+        local.stop()
+
+
+@pytest.fixture
+def namespace(cluster):
+    """A fresh namespace per test, deleted afterwards (its pods free their node resources)."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    cluster.client.create(Namespace(metadata=ObjectMeta(name=name)))
+    yield name
+    cluster.client.delete(Namespace, name)

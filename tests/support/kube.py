@@ -1,0 +1,58 @@
+"""Helpers for tests against a real apiserver: await conditions through watches, never by sleeping."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Callable, TypeVar
+
+from lightkube import AsyncClient, KubeConfig
+from lightkube.core.exceptions import ApiError
+
+T = TypeVar("T")
+
+
+async def _watch_until(kubeconfig: Path, res: type[T], name: str, predicate: Callable[[T], bool],
+                       namespace: str | None, timeout: float, what: str) -> T:
+    client = AsyncClient(KubeConfig.from_file(kubeconfig))
+    last: T | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            try:
+                last = await client.get(res, name, namespace=namespace)
+                if predicate(last):
+                    return last
+                rv = last.metadata.resourceVersion
+            except ApiError as e:
+                if e.status.code != 404:
+                    raise
+                rv = None
+            async for _op, obj in client.watch(res, namespace=namespace, fields={"metadata.name": name},
+                                               resource_version=rv):
+                last = obj
+                if predicate(obj):
+                    return obj
+    except TimeoutError:
+        raise TimeoutError(f"{res.__name__} {namespace}/{name}: {what} not reached in {timeout}s; last: {last}")
+    finally:
+        await client.close()
+    raise AssertionError("watch ended")
+
+
+def watch_until(cluster, res: type[T], name: str, predicate: Callable[[T], bool], *,
+                namespace: str | None = None, timeout: float = 60, what: str = "condition") -> T:
+    """Return the object once `predicate` holds, following a watch from the current resourceVersion."""
+    return asyncio.run(_watch_until(cluster.kubeconfig, res, name, predicate, namespace, timeout, what))
+
+
+def condition(obj, ctype: str):
+    return next((c for c in (obj.status.conditions or []) if c.type == ctype), None) if obj.status else None
+
+
+def pod_ready(pod) -> bool:
+    c = condition(pod, "Ready")
+    return c is not None and c.status == "True"
+
+
+def pod_unschedulable(pod) -> bool:
+    c = condition(pod, "PodScheduled")
+    return c is not None and c.status == "False" and c.reason == "Unschedulable"

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import operator
+import subprocess
+import sys
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_stdlib_operator_is_not_shadowed():
+    """Even run from the repository root (cwd first on sys.path), `operator` is the stdlib module."""
+    assert operator.itemgetter(1)([0, 7]) == 7
+    out = subprocess.run([sys.executable, "-c", "import operator, disagg.operator; print(operator.__file__);"
+                          "print(disagg.operator.__name__)"], capture_output=True, text=True, check=True,
+                         cwd=REPO).stdout
+    stdlib_file, pkg = out.split()
+    assert "site-packages" not in stdlib_file and stdlib_file.endswith("operator.py")
+    assert pkg == "disagg.operator"
+
+
+def test_console_command_is_installed():
+    out = subprocess.run([str(Path(sys.executable).parent / "disagg"), "--help"], capture_output=True, text=True, check=True).stdout
+    for cmd in ("cluster", "demo"):
+        assert cmd in out
