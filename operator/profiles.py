@@ -30,6 +30,12 @@ class Profile:
     shm_size: str = "64Gi"
     tolerations: tuple[tuple[str, str], ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # Engine pod defaults per device of `accelerator_resource`: about half the node's CPU and memory per
+    # device share, leaving room for the kubelet, daemonsets and the /dev/shm tmpfs.
+    cpu_per_device: int = 12
+    memory_gi_per_device: int = 128
+    # Startup-probe budget: model load (NVIDIA) or Neuron graph compilation (Trainium, can take hours).
+    startup_seconds: int = 1800
 
     def devices_for(self, ranks: int) -> int:
         return -(-ranks // self.ranks_per_device)
@@ -54,13 +60,18 @@ _EFA_ENV = {
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
+        # 192 vCPU, 2 TiB, 8 GPUs.
         Profile("nvidia-h200", "p5en.48xlarge", GPU, 8, 1, 16, True, tolerations=((GPU, "NoSchedule"),),
                 env=_EFA_ENV),
         Profile("nvidia-h100", "p5.48xlarge", GPU, 8, 1, 32, True, tolerations=((GPU, "NoSchedule"),),
                 env=_EFA_ENV),
+        # 192 vCPU, 2 TiB, 16 Trainium2 devices.
         Profile("trainium2", "trn2.48xlarge", NEURON, 64, 4, 16, False, tolerations=((NEURON, "NoSchedule"),),
-                env={**_EFA_ENV, "FI_EFA_USE_DEVICE_RDMA": "1", "NEURON_RT_VIRTUAL_CORE_SIZE": "2"}),
+                env={**_EFA_ENV, "FI_EFA_USE_DEVICE_RDMA": "1", "NEURON_RT_VIRTUAL_CORE_SIZE": "2"},
+                cpu_per_device=8, memory_gi_per_device=96, startup_seconds=7200),
+        # 128 vCPU, 512 GiB, 16 Trainium devices.
         Profile("trainium1", "trn1.32xlarge", NEURON, 32, 2, 8, False, tolerations=((NEURON, "NoSchedule"),),
-                env={**_EFA_ENV, "FI_EFA_USE_DEVICE_RDMA": "1"}),
+                env={**_EFA_ENV, "FI_EFA_USE_DEVICE_RDMA": "1"},
+                cpu_per_device=6, memory_gi_per_device=24, startup_seconds=7200),
     )
 }

@@ -1,0 +1,57 @@
+"""Render the engine launch script (`launch.sh.j2`): preflight checks, then `exec` vLLM.
+
+Takes plain values only; the operator computes them from the spec. Never imports disagg.operator.
+"""
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from importlib import resources
+
+import jinja2
+
+# Written literally into vLLM arguments by the operator (the engine id is only known inside the pod: it is
+# the pod name plus UID). The rendered script replaces every occurrence with the runtime value of
+# $DISAGG_ENGINE_ID; nothing else in an argument is expanded.
+ENGINE_ID_PLACEHOLDER = "$DISAGG_ENGINE_ID"
+ROLES = ("prefill", "decode")
+
+_TEMPLATE = "launch.sh.j2"
+
+
+def _quote(arg: str) -> str:
+    """Shell-quote one argument, splicing "${DISAGG_ENGINE_ID}" where the placeholder was."""
+    return '"${DISAGG_ENGINE_ID}"'.join(shlex.quote(part) for part in arg.split(ENGINE_ID_PLACEHOLDER))
+
+
+def _lines(args: Sequence[str]) -> list[str]:
+    """Quoted arguments grouped one option per line: a `--flag` with its value when the value is no flag."""
+    lines: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i].startswith("-") and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            lines.append(f"{_quote(args[i])} {_quote(args[i + 1])}")
+            i += 2
+        else:
+            lines.append(_quote(args[i]))
+            i += 1
+    return lines
+
+
+def _template() -> jinja2.Template:
+    text = resources.files(__package__).joinpath(_TEMPLATE).read_text(encoding="utf-8")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, trim_blocks=True,
+                             lstrip_blocks=True, keep_trailing_newline=True)
+    return env.from_string(text)
+
+
+def render_launch_script(*, role: str, args: Sequence[str], efa_expected: bool, hugepages_expected: bool,
+                         shm_min_kib: int) -> str:
+    """The POSIX sh script that checks the pod's EFA, hugepages, /dev/shm and side-channel env, then runs
+    `python3 -m vllm.entrypoints.openai.api_server <args>`."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    if shm_min_kib < 0:
+        raise ValueError(f"shm_min_kib must be >= 0, got {shm_min_kib}")
+    return _template().render(role=role, arg_lines=_lines(args), efa_expected=bool(efa_expected),
+                              hugepages_expected=bool(hugepages_expected), shm_min_kib=int(shm_min_kib))

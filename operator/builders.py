@@ -1,0 +1,26 @@
+"""Every child object of a DisaggregatedInference, as plain manifest dicts. Pure: no cluster access."""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from . import names
+from .api import DisaggregatedInference
+from .engine_builders import (engine_args, engine_pdb, engine_service, engine_statefulset, launch_configmap,
+                              launch_script)
+from .meta import DEFAULT_OPERATOR_IMAGE, OperatorImages
+from .service_builders import (endpoint_url, rendezvous_deployment, rendezvous_service, router_deployment,
+                               router_service)
+
+__all__ = ["DEFAULT_OPERATOR_IMAGE", "OperatorImages", "build_children", "endpoint_url", "engine_args",
+           "launch_script"]
+
+
+def build_children(cr: DisaggregatedInference, *, images: OperatorImages = OperatorImages()) -> list[dict[str, Any]]:
+    """All children in apply order: launch ConfigMap, rendezvous, engines per role, then the router."""
+    children: list[dict[str, Any]] = [launch_configmap(cr), rendezvous_service(cr), rendezvous_deployment(cr, images)]
+    for role in names.ENGINE_ROLES:
+        children += [engine_service(cr, role), engine_statefulset(cr, role, images), engine_pdb(cr, role)]
+    children += [router_service(cr), router_deployment(cr, images)]
+    # No object shared between children: callers may mutate one without touching another.
+    return copy.deepcopy(children)

@@ -1,0 +1,358 @@
+"""Engine objects per role: vLLM arguments, launch scripts, StatefulSet, headless Service and PDB."""
+from __future__ import annotations
+
+import hashlib
+import json
+import posixpath
+from typing import Any
+
+from disagg.connector.launch import ENGINE_ID_PLACEHOLDER, render_launch_script
+
+from . import names
+from .api import DisaggregatedInference, DisaggregatedInferenceSpec, RoleSpec
+from .merge import deep_merge
+from .meta import OperatorImages, cr_name, http_probe, namespace_of, object_meta
+from .profiles import EFA
+
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+PLUGIN_MODULE = "disagg.connector.plugin"
+ENGINE_CONTAINER = "engine"
+PLUGIN_CONTAINER = "install-plugin"
+LAUNCH_DIR = "/etc/disagg"
+PLUGIN_DIR = "/opt/disagg"
+MODELS_DIR = "/models"
+HF_CACHE_DIR = "/root/.cache/huggingface"
+SHM_DIR = "/dev/shm"
+TERMINATION_LOG = "/dev/termination-log"
+HUGEPAGES = "hugepages-2Mi"
+LAUNCH_HASH_ANNOTATION = "serving.disagg.io/launch-script-hash"
+ZONE_KEY = "topology.kubernetes.io/zone"
+HOST_KEY = "kubernetes.io/hostname"
+NETWORK_LAYER_KEY = "topology.k8s.aws/network-node-layer-3"
+INSTANCE_TYPE_KEY = "node.kubernetes.io/instance-type"
+PROBE_PERIOD = 10
+
+_UNITS = {"Ki": 1, "Mi": 1024, "Gi": 1024 ** 2, "Ti": 1024 ** 3}
+
+
+def role_spec(spec: DisaggregatedInferenceSpec, role: str) -> RoleSpec:
+    if role not in KV_ROLES:
+        raise ValueError(f"role must be one of {tuple(KV_ROLES)}, got {role!r}")
+    return spec.prefill if role == "prefill" else spec.decode
+
+
+def ranks_per_pod(role: RoleSpec) -> int:
+    # Matches DisaggregatedInferenceSpec.efa_for and the CRD's node-capacity rule (TP × PP).
+    return role.tensor_parallel_size * role.pipeline_parallel_size
+
+
+def side_channel_ports(spec: DisaggregatedInferenceSpec, role: RoleSpec) -> list[int]:
+    """One NIXL side-channel listener per DP rank, from the base port up; rejects clashes with the HTTP port."""
+    base = spec.kv_transfer.side_channel_port
+    ports = list(range(base, base + role.data_parallel_size))
+    if ports[-1] > 65535:
+        raise ValueError(f"spec.kvTransfer.sideChannelPort: {base} + {role.data_parallel_size} data-parallel ranks "
+                         "runs past port 65535")
+    if spec.engine.port in ports:
+        raise ValueError(f"spec.engine.port: {spec.engine.port} collides with the NIXL side-channel ports "
+                         f"{ports[0]}-{ports[-1]} (spec.kvTransfer.sideChannelPort)")
+    return ports
+
+
+def model_path(spec: DisaggregatedInferenceSpec) -> str:
+    """What vLLM loads: a directory on the PVC, or the hub model id."""
+    pvc = spec.model.source.pvc
+    if pvc is None:
+        return spec.model.name
+    return posixpath.normpath(posixpath.join(MODELS_DIR, pvc.path.lstrip("/")))
+
+
+def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str, Any]:
+    # Bidirectional (pull only) needs both directions on both engines: vLLM's kv_both.
+    kv_role = "kv_both" if spec.kv_transfer.bidirectional else KV_ROLES[role]
+    return {"kv_connector": spec.connector, "kv_role": kv_role, "engine_id": ENGINE_ID_PLACEHOLDER,
+            "kv_connector_module_path": PLUGIN_MODULE,
+            "kv_connector_extra_config": {"backends": [spec.backend]}}
+
+
+def engine_args(spec: DisaggregatedInferenceSpec, role_name: str) -> list[str]:
+    """vLLM OpenAI server arguments. The engine id in --kv-transfer-config is ENGINE_ID_PLACEHOLDER; the launch
+    script replaces it with $DISAGG_ENGINE_ID at runtime."""
+    role = role_spec(spec, role_name)
+    args = ["--model", model_path(spec), "--served-model-name", spec.served_name, "--port", str(spec.engine.port),
+            "--tensor-parallel-size", str(role.tensor_parallel_size),
+            "--pipeline-parallel-size", str(role.pipeline_parallel_size)]
+    if role.data_parallel_size > 1:
+        args += ["--data-parallel-size", str(role.data_parallel_size)]
+    args += ["--block-size", str(spec.engine.block_size), "--dtype", spec.model.dtype]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role_name), separators=(",", ":"))]
+    return args + list(spec.engine.args) + list(role.args)
+
+
+def _kib(quantity: str) -> int:
+    for unit, factor in _UNITS.items():
+        if quantity.endswith(unit):
+            return int(quantity[: -len(unit)]) * factor
+    return int(quantity) // 1024
+
+
+def launch_script(spec: DisaggregatedInferenceSpec, role_name: str) -> str:
+    efa = spec.efa_for(role_spec(spec, role_name)) > 0
+    # Half the configured size: catches the 64 MiB container-runtime default (volume missing or overlaid
+    # away) without failing on how the kubelet rounds or caps the tmpfs.
+    return render_launch_script(role=role_name, args=engine_args(spec, role_name), efa_expected=efa,
+                                hugepages_expected=efa, shm_min_kib=_kib(spec.profile.shm_size) // 2)
+
+
+def launch_configmap(cr: DisaggregatedInference) -> dict[str, Any]:
+    name = cr_name(cr)
+    data = {names.launch_script_key(r): launch_script(cr.spec, r) for r in names.ENGINE_ROLES}
+    # Component "launch" is only a label here: no selector ever targets it.
+    meta = object_meta(cr, names.launch_configmap_name(name), "launch")
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+
+
+def _env(name: str, value: str | int) -> dict[str, Any]:
+    return {"name": name, "value": str(value)}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _dedupe(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # Last value wins, but at the FIRST position: an override must not move a variable below the $(VAR)
+    # references that expand it (POD_NAME/POD_UID before DISAGG_ENGINE_ID).
+    out: dict[str, dict[str, Any]] = {}
+    for item in env:
+        out[item["name"]] = item
+    return list(out.values())
+
+
+def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any]]:
+    spec, name = cr.spec, cr_name(cr)
+    role = role_spec(spec, role_name)
+    env: list[dict[str, Any]] = []
+    if spec.efa_for(role) > 0:
+        env += [_env(k, v) for k, v in spec.profile.env.items()]
+    env += [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_UID", "metadata.uid"),
+        _field_env("POD_IP", "status.podIP"),
+        _env("DISAGG_ENGINE_ID", "$(POD_NAME)-$(POD_UID)"),
+        _env("VLLM_NIXL_SIDE_CHANNEL_HOST", "$(POD_IP)"),
+        _env("VLLM_NIXL_SIDE_CHANNEL_PORT", spec.kv_transfer.side_channel_port),
+        _env("DISAGG_ROLE", role_name),
+        _env("DISAGG_DEPLOYMENT", name),
+        _env("DISAGG_LAYOUT_KEY", names.layout_key(spec)),
+        _env("DISAGG_RENDEZVOUS_URL", names.rendezvous_url(name, namespace_of(cr))),
+        _env("DISAGG_HEARTBEAT_SECONDS", spec.rendezvous.heartbeat_seconds),
+        _env("DISAGG_KV_MODE", spec.kv_transfer.mode),
+        _env("DISAGG_LEASE_SECONDS", spec.kv_transfer.lease_seconds),
+        _env("DISAGG_REGISTRATION_TIMEOUT_SECONDS", spec.kv_transfer.registration_timeout_seconds),
+        # vLLM's own knob for how long a producer keeps unclaimed KV blocks (pull mode's lease).
+        _env("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", spec.kv_transfer.lease_seconds),
+        _env("PYTHONPATH", PLUGIN_DIR),
+    ]
+    hub = spec.model.source.hub
+    if spec.model.source.pvc is None:
+        env.append(_env("HF_HOME", HF_CACHE_DIR))
+        if hub is not None and hub.token_secret is not None:
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": hub.token_secret.name, "key": hub.token_secret.key}}})
+    env += [_env(e.name, e.value) for e in [*spec.engine.env, *role.env]]
+    return _dedupe(env)
+
+
+def engine_resources(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[str, dict[str, str]]:
+    """Profile defaults (cpu/memory per device, devices, EFA, hugepages), then role.resources per key."""
+    role, profile = role_spec(spec, role_name), spec.profile
+    devices = profile.devices_for(ranks_per_pod(role))
+    memory = f"{profile.memory_gi_per_device * devices}Gi"
+    requests = {profile.accelerator_resource: str(devices), "cpu": str(profile.cpu_per_device * devices),
+                "memory": memory}
+    limits = {profile.accelerator_resource: str(devices), "memory": memory}  # no cpu limit: CFS throttling
+    efa = spec.efa_for(role)
+    if efa > 0:
+        requests[EFA] = limits[EFA] = str(efa)
+        requests[HUGEPAGES] = limits[HUGEPAGES] = profile.hugepages_2mi
+    # Keys whose request equals the limit (devices, EFA, hugepages, memory) must stay equal: an override on
+    # one side applies to both unless the user sets both.
+    paired = {k for k, v in requests.items() if limits.get(k) == v}
+    over_req = {k: str(v) for k, v in role.resources.requests.items()}
+    over_lim = {k: str(v) for k, v in role.resources.limits.items()}
+    for key, value in over_req.items():
+        requests[key] = value
+        if key in paired and key not in over_lim:
+            limits[key] = value
+    for key, value in over_lim.items():
+        limits[key] = value
+        if key in paired and key not in over_req:
+            requests[key] = value
+    return {"requests": dict(sorted(requests.items())), "limits": dict(sorted(limits.items()))}
+
+
+def engine_security_context(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[str, Any]:
+    # The per-profile choice and its reasons live in profiles.py: NVIDIA needs privileged for fi_mr_reg of GPU
+    # memory over EFA; everything else (Trainium, or no EFA) only pins host memory, which IPC_LOCK allows.
+    if spec.profile.privileged and spec.efa_for(role_spec(spec, role_name)) > 0:
+        return {"privileged": True}
+    return {"capabilities": {"add": ["IPC_LOCK"]}}
+
+
+def _term(cr: str, components: list[str], topology: str) -> dict[str, Any]:
+    return {"labelSelector": {"matchLabels": {names.LABEL_INSTANCE: cr}, "matchExpressions": [
+        {"key": names.LABEL_COMPONENT, "operator": "In", "values": sorted(components)}]}, "topologyKey": topology}
+
+
+def engine_affinity(cr: DisaggregatedInference, role_name: str) -> dict[str, Any]:
+    spec, name = cr.spec, cr_name(cr)
+    placement = spec.placement
+    other = "decode" if role_name == "prefill" else "prefill"
+    affinity: dict[str, Any] = {}
+    if placement.same_zone:
+        # The term matches this pod's own labels, so the scheduler lets the very first engine land in any zone;
+        # every later one (either role) must join it. EFA does not cross zones.
+        affinity.setdefault("podAffinity", {})["requiredDuringSchedulingIgnoredDuringExecution"] = [
+            _term(name, list(names.ENGINE_ROLES), ZONE_KEY)]
+    if placement.prefer_network_layer:
+        affinity.setdefault("podAffinity", {})["preferredDuringSchedulingIgnoredDuringExecution"] = [
+            {"weight": 50, "podAffinityTerm": _term(name, [other], NETWORK_LAYER_KEY)}]
+    if placement.spread_across_nodes:
+        affinity["podAntiAffinity"] = {"preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "podAffinityTerm": _term(name, [role_name], HOST_KEY)}]}
+    role = role_spec(spec, role_name)
+    return deep_merge(affinity, role.affinity) if role.affinity else affinity
+
+
+def _volumes(cr: DisaggregatedInference) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    spec = cr.spec
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.profile.shm_size}},
+        {"name": "launch", "configMap": {"name": names.launch_configmap_name(cr_name(cr)), "defaultMode": 0o755}},
+        {"name": "disagg-plugin", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": SHM_DIR},
+        {"name": "launch", "mountPath": LAUNCH_DIR, "readOnly": True},
+        {"name": "disagg-plugin", "mountPath": PLUGIN_DIR, "readOnly": True},
+    ]
+    pvc = spec.model.source.pvc
+    if pvc is not None:
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
+        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+    else:
+        volumes.append({"name": "hf-cache", "emptyDir": {}})
+        mounts.append({"name": "hf-cache", "mountPath": HF_CACHE_DIR})
+    return volumes, mounts
+
+
+def _container_ports(spec: DisaggregatedInferenceSpec, role: RoleSpec) -> list[dict[str, Any]]:
+    ports = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
+    ports += [{"name": f"nixl-{i}", "containerPort": p, "protocol": "TCP"}
+              for i, p in enumerate(side_channel_ports(spec, role))]
+    return ports
+
+
+def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorImages) -> dict[str, Any]:
+    spec, name = cr.spec, cr_name(cr)
+    role, profile = role_spec(spec, role_name), spec.profile
+    volumes, mounts = _volumes(cr)
+    startup_failures = -(-profile.startup_seconds // PROBE_PERIOD)
+    engine = {
+        "name": ENGINE_CONTAINER,
+        "image": spec.engine.image,
+        "command": ["/bin/sh", f"{LAUNCH_DIR}/{names.launch_script_key(role_name)}"],
+        "ports": _container_ports(spec, role),
+        "env": engine_env(cr, role_name),
+        "resources": engine_resources(spec, role_name),
+        "securityContext": engine_security_context(spec, role_name),
+        "volumeMounts": mounts,
+        "startupProbe": http_probe("/health", "http", period=PROBE_PERIOD, failures=startup_failures),
+        "readinessProbe": http_probe("/health", "http", period=5, failures=3),
+        # Generous: a liveness restart throws away a loaded (or compiled) model.
+        "livenessProbe": http_probe("/health", "http", period=PROBE_PERIOD, failures=6, timeout=10),
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    install = {
+        "name": PLUGIN_CONTAINER,
+        "image": images.operator,
+        "command": ["disagg", "install-plugin", PLUGIN_DIR],
+        "volumeMounts": [{"name": "disagg-plugin", "mountPath": PLUGIN_DIR}],
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    tolerations = [{"key": key, "operator": "Exists", "effect": effect} for key, effect in profile.tolerations]
+    tolerations += [t.dump() for t in role.tolerations]
+    pod_spec: dict[str, Any] = {
+        # Service links would inject e.g. VLLM_PORT for a Service named "vllm", which vLLM misreads.
+        "enableServiceLinks": False,
+        # Engines talk to the rendezvous over HTTP, never to the API server.
+        "automountServiceAccountToken": False,
+        "initContainers": [install],
+        "containers": [engine],
+        "volumes": volumes,
+        "nodeSelector": dict(sorted({INSTANCE_TYPE_KEY: profile.instance_type, **role.node_selector}.items())),
+        "tolerations": tolerations,
+    }
+    affinity = engine_affinity(cr, role_name)
+    if affinity:
+        pod_spec["affinity"] = affinity
+    script = launch_script(spec, role_name)
+    template: dict[str, Any] = {
+        "metadata": {
+            "labels": names.labels(name, role_name),
+            # The script (vLLM args) lives in a ConfigMap; this hash rolls the pods when it changes.
+            "annotations": {LAUNCH_HASH_ANNOTATION: hashlib.sha256(script.encode()).hexdigest()[:16]},
+        },
+        "spec": pod_spec,
+    }
+    if role.pod_template:
+        template = deep_merge(template, role.pod_template)
+        # An overlay must not detach pods from their StatefulSet and Services.
+        template.setdefault("metadata", {}).setdefault("labels", {}).update(names.selector_labels(name, role_name))
+    return template
+
+
+def engine_statefulset(cr: DisaggregatedInference, role_name: str, images: OperatorImages) -> dict[str, Any]:
+    name = names.engine_name(cr_name(cr), role_name)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": object_meta(cr, name, role_name),
+        "spec": {
+            "replicas": role_spec(cr.spec, role_name).replicas,
+            "serviceName": name,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": names.selector_labels(cr_name(cr), role_name)},
+            "template": engine_pod_template(cr, role_name, images),
+        },
+    }
+
+
+def engine_service(cr: DisaggregatedInference, role_name: str) -> dict[str, Any]:
+    """Headless: stable per-pod DNS, and not-ready pods still resolve (side channels open before /health)."""
+    spec = cr.spec
+    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+             for p in _container_ports(spec, role_spec(spec, role_name))]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": object_meta(cr, names.engine_name(cr_name(cr), role_name), role_name),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": names.selector_labels(cr_name(cr), role_name), "ports": ports},
+    }
+
+
+def engine_pdb(cr: DisaggregatedInference, role_name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": object_meta(cr, names.engine_name(cr_name(cr), role_name), role_name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": names.selector_labels(cr_name(cr), role_name)}},
+    }

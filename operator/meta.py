@@ -1,0 +1,51 @@
+"""Metadata shared by every child object: namespace, labels, owner reference."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import names
+from .api import GROUP, KIND, VERSION, DisaggregatedInference
+
+DEFAULT_OPERATOR_IMAGE = "ghcr.io/disagg/disagg:0.1.0"
+# Offline render of a CR without metadata.namespace: children (and the in-cluster URLs) use this.
+DEFAULT_NAMESPACE = "default"
+
+
+@dataclass(frozen=True)
+class OperatorImages:
+    """Images the operator runs itself: router, rendezvous and the plugin init container."""
+
+    operator: str = DEFAULT_OPERATOR_IMAGE
+
+
+def cr_name(cr: DisaggregatedInference) -> str:
+    name = cr.metadata.get("name")
+    if not name:
+        raise ValueError("metadata.name: required")
+    return str(name)
+
+
+def namespace_of(cr: DisaggregatedInference) -> str:
+    return str(cr.metadata.get("namespace") or DEFAULT_NAMESPACE)
+
+
+def owner_references(cr: DisaggregatedInference) -> list[dict[str, Any]]:
+    uid = cr.metadata.get("uid")
+    if not uid:
+        return []
+    return [{"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": cr_name(cr), "uid": str(uid),
+             "controller": True, "blockOwnerDeletion": True}]
+
+
+def object_meta(cr: DisaggregatedInference, name: str, component: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": namespace_of(cr), "labels": names.labels(cr_name(cr), component)}
+    refs = owner_references(cr)
+    if refs:
+        meta["ownerReferences"] = refs
+    return meta
+
+
+def http_probe(path: str, port: str, *, period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": timeout}

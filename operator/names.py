@@ -1,0 +1,75 @@
+"""Names, labels and URLs derived from a DisaggregatedInference. Pure functions of the CR name and spec."""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .api import DisaggregatedInferenceSpec
+
+ENGINE_ROLES = ("prefill", "decode")
+ROUTER = "router"
+RENDEZVOUS = "rendezvous"
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_ROLE = "serving.disagg.io/role"
+APP_NAME = "disagg"
+MANAGED_BY = "disagg-operator"
+
+RENDEZVOUS_PORT = 8080
+ROUTER_CONTAINER_PORT = 8000
+
+
+def engine_name(cr: str, role: str) -> str:
+    """StatefulSet, headless Service and PodDisruptionBudget of one engine role."""
+    if role not in ENGINE_ROLES:
+        raise ValueError(f"role must be one of {ENGINE_ROLES}, got {role!r}")
+    return f"{cr}-{role}"
+
+
+def router_name(cr: str) -> str:
+    return f"{cr}-{ROUTER}"
+
+
+def rendezvous_name(cr: str) -> str:
+    return f"{cr}-{RENDEZVOUS}"
+
+
+def launch_configmap_name(cr: str) -> str:
+    return f"{cr}-launch"
+
+
+def launch_script_key(role: str) -> str:
+    """Key of a role's script in the launch ConfigMap (mounted at /etc/disagg)."""
+    return f"{role}.sh"
+
+
+def selector_labels(cr: str, component: str) -> dict[str, str]:
+    """The immutable subset used in selectors: never add keys here, selectors cannot change on update."""
+    return {LABEL_INSTANCE: cr, LABEL_COMPONENT: component}
+
+
+def labels(cr: str, component: str) -> dict[str, str]:
+    out = {LABEL_NAME: APP_NAME, **selector_labels(cr, component), LABEL_MANAGED_BY: MANAGED_BY}
+    if component in ENGINE_ROLES:
+        out[LABEL_ROLE] = component
+    return out
+
+
+def rendezvous_url(cr: str, namespace: str) -> str:
+    return f"http://{rendezvous_name(cr)}.{namespace}.svc:{RENDEZVOUS_PORT}"
+
+
+def router_url(cr: str, namespace: str, port: int) -> str:
+    return f"http://{router_name(cr)}.{namespace}.svc:{port}"
+
+
+def layout_key(spec: DisaggregatedInferenceSpec) -> str:
+    """16 hex chars identifying everything paired engines must agree on; the router pairs only equal keys."""
+    material = [spec.model.name, spec.model.dtype, spec.engine.block_size, spec.kv_transfer.mode, spec.connector,
+                spec.engine.image]
+    return hashlib.sha256(json.dumps(material, separators=(",", ":")).encode()).hexdigest()[:16]

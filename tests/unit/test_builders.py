@@ -1,0 +1,475 @@
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from disagg.operator import names
+from disagg.operator.api import DisaggregatedInference
+from disagg.operator.builders import OperatorImages, build_children, endpoint_url, engine_args
+from disagg.operator.merge import deep_merge
+
+UID = "8d2c1f3e-0000-4000-8000-000000000001"
+
+
+def make_cr(spec: dict[str, Any] | None = None, *, uid: str | None = UID, profile: str = "nvidia-h200",
+            name: str = "qwen", namespace: str = "ml") -> DisaggregatedInference:
+    base = {"model": {"name": "Qwen/Qwen3-32B"}, "accelerator": {"profile": profile},
+            "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 4}}
+    metadata = {"name": name, "namespace": namespace}
+    if uid:
+        metadata["uid"] = uid
+    return DisaggregatedInference.model_validate({"apiVersion": "serving.disagg.io/v1alpha1",
+                                                  "kind": "DisaggregatedInference", "metadata": metadata,
+                                                  "spec": deep_merge(base, spec or {})})
+
+
+def child(children: list[dict], kind: str, name: str) -> dict:
+    [obj] = [c for c in children if c["kind"] == kind and c["metadata"]["name"] == name]
+    return obj
+
+
+def pod(children: list[dict], role: str, cr: str = "qwen") -> dict:
+    return child(children, "StatefulSet", f"{cr}-{role}")["spec"]["template"]
+
+
+def engine(children: list[dict], role: str) -> dict:
+    [c] = [c for c in pod(children, role)["spec"]["containers"] if c["name"] == "engine"]
+    return c
+
+
+def env_of(container: dict) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def kv_config(spec_cr: DisaggregatedInference, role: str) -> dict:
+    args = engine_args(spec_cr.spec, role)
+    return json.loads(args[args.index("--kv-transfer-config") + 1])
+
+
+def test_p5en_tp4_gets_four_gpus_eight_efa_hugepages_and_privileged():
+    children = build_children(make_cr(), images=OperatorImages())
+    for role in ("prefill", "decode"):
+        c = engine(children, role)
+        res = c["resources"]
+        for side in ("requests", "limits"):
+            assert res[side]["nvidia.com/gpu"] == "4"
+            assert res[side]["vpc.amazonaws.com/efa"] == "8"
+            assert res[side]["hugepages-2Mi"] == "5120Mi"
+        assert c["securityContext"] == {"privileged": True}
+        env = env_of(c)
+        assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+        assert env["LD_LIBRARY_PATH"].startswith("/opt/amazon/efa/lib")
+        spec = pod(children, role)["spec"]
+        assert spec["nodeSelector"]["node.kubernetes.io/instance-type"] == "p5en.48xlarge"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert kv_config(make_cr(), "prefill")["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"]}
+
+
+def test_trn2_tp32_gets_eight_neuron_devices_and_ipc_lock_not_privileged():
+    cr = make_cr({"prefill": {"tensorParallelSize": 32}, "decode": {"tensorParallelSize": 32}}, profile="trainium2")
+    c = engine(build_children(cr), "decode")
+    assert c["resources"]["requests"]["aws.amazon.com/neuron"] == "8"
+    assert c["resources"]["limits"]["aws.amazon.com/neuron"] == "8"
+    assert "nvidia.com/gpu" not in c["resources"]["requests"]
+    assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert pod(build_children(cr), "decode")["spec"]["nodeSelector"] == {
+        "node.kubernetes.io/instance-type": "trn2.48xlarge"}
+
+
+def test_efa_off_drops_efa_resources_env_and_uses_ucx():
+    cr = make_cr({"accelerator": {"efa": "off"}})
+    children = build_children(cr)
+    for role in ("prefill", "decode"):
+        c = engine(children, role)
+        for side in ("requests", "limits"):
+            assert "vpc.amazonaws.com/efa" not in c["resources"][side]
+            assert "hugepages-2Mi" not in c["resources"][side]
+        assert not [n for n in env_of(c) if n.startswith("FI_")]
+        assert "LD_LIBRARY_PATH" not in env_of(c)
+        # No EFA to register GPU memory with: the privileged escape hatch is not needed.
+        assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+        assert kv_config(cr, role)["kv_connector_extra_config"] == {"backends": ["UCX"]}
+    script = child(children, "ConfigMap", "qwen-launch")["data"]["prefill.sh"]
+    assert "fi_info" not in script and "HugePages_Total" not in script
+
+
+def test_explicit_efa_count_is_used():
+    c = engine(build_children(make_cr({"accelerator": {"efa": 2}})), "prefill")
+    assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == "2"
+
+
+@pytest.mark.parametrize("mode, connector", [("pull", "NixlConnector"), ("push", "NixlPushConnector")])
+def test_mode_selects_connector(mode, connector):
+    cr = make_cr({"kvTransfer": {"mode": mode}})
+    assert kv_config(cr, "prefill")["kv_connector"] == connector
+    assert kv_config(cr, "prefill")["kv_role"] == "kv_producer"
+    assert kv_config(cr, "decode")["kv_role"] == "kv_consumer"
+    assert kv_config(cr, "decode")["engine_id"] == "$DISAGG_ENGINE_ID"
+    assert kv_config(cr, "decode")["kv_connector_module_path"] == "disagg.connector.plugin"
+    router = child(build_children(cr), "Deployment", "qwen-router")
+    command = router["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--mode") + 1] == mode
+
+
+def test_connector_override_and_bidirectional_pull():
+    cr = make_cr({"kvTransfer": {"mode": "pull", "connector": "NeuronNixlConnector", "bidirectional": True}})
+    cfg = kv_config(cr, "prefill")
+    assert cfg["kv_connector"] == "NeuronNixlConnector" and cfg["kv_role"] == "kv_both"
+
+
+def test_engine_id_env_is_declared_after_the_vars_it_expands():
+    """Kubernetes expands $(VAR) only from variables defined earlier in the list."""
+    cr = make_cr({"decode": {"env": [{"name": "POD_NAME", "value": "x"}, {"name": "EXTRA", "value": "1"}]}})
+    for role in ("prefill", "decode"):
+        env = engine(build_children(cr), role)["env"]
+        order = [e["name"] for e in env]
+        assert len(order) == len(set(order))
+        by_name = {e["name"]: e for e in env}
+        assert by_name["DISAGG_ENGINE_ID"]["value"] == "$(POD_NAME)-$(POD_UID)"
+        assert order.index("POD_NAME") < order.index("DISAGG_ENGINE_ID")
+        assert order.index("POD_UID") < order.index("DISAGG_ENGINE_ID")
+        assert order.index("POD_IP") < order.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
+        assert by_name["POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+        assert by_name["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert by_name["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
+        assert by_name["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
+        assert by_name["DISAGG_ROLE"]["value"] == role
+        assert by_name["DISAGG_DEPLOYMENT"]["value"] == "qwen"
+        assert by_name["DISAGG_RENDEZVOUS_URL"]["value"] == "http://qwen-rendezvous.ml.svc:8080"
+        assert by_name["DISAGG_HEARTBEAT_SECONDS"]["value"] == "5"
+        assert by_name["PYTHONPATH"]["value"] == "/opt/disagg"
+    decode = engine(build_children(cr), "decode")["env"]
+    names_in_order = [e["name"] for e in decode]
+    # The override keeps the operator's position (still before DISAGG_ENGINE_ID) with the user's value.
+    assert {e["name"]: e for e in decode}["POD_NAME"] == {"name": "POD_NAME", "value": "x"}
+    assert names_in_order.index("POD_NAME") < names_in_order.index("DISAGG_ENGINE_ID")
+    assert names_in_order[-1] == "EXTRA"
+
+
+def test_role_env_wins_over_engine_env():
+    cr = make_cr({"engine": {"env": [{"name": "A", "value": "engine"}, {"name": "B", "value": "engine"}]},
+                  "prefill": {"env": [{"name": "A", "value": "prefill"}]}})
+    assert env_of(engine(build_children(cr), "prefill"))["A"] == "prefill"
+    assert env_of(engine(build_children(cr), "decode"))["A"] == "engine"
+    assert env_of(engine(build_children(cr), "prefill"))["B"] == "engine"
+
+
+def test_layout_key_matches_between_roles_and_tracks_block_size():
+    children = build_children(make_cr())
+    prefill = env_of(engine(children, "prefill"))["DISAGG_LAYOUT_KEY"]
+    decode = env_of(engine(children, "decode"))["DISAGG_LAYOUT_KEY"]
+    assert prefill == decode
+    assert len(prefill) == 16 and int(prefill, 16) >= 0
+    other = names.layout_key(make_cr({"engine": {"blockSize": 64}}).spec)
+    assert other != prefill
+    # Role-local knobs (replicas, TP) do not change what must match.
+    assert names.layout_key(make_cr({"decode": {"replicas": 3, "tensorParallelSize": 8}}).spec) == prefill
+    assert names.layout_key(make_cr({"kvTransfer": {"mode": "pull"}}).spec) != prefill
+
+
+def test_every_child_is_owned_by_the_cr_in_its_namespace():
+    children = build_children(make_cr())
+    assert len(children) == 11
+    for obj in children:
+        assert obj["metadata"]["namespace"] == "ml"
+        assert obj["metadata"]["ownerReferences"] == [{
+            "apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference", "name": "qwen",
+            "uid": UID, "controller": True, "blockOwnerDeletion": True}]
+        assert obj["metadata"]["labels"][names.LABEL_INSTANCE] == "qwen"
+        assert obj["metadata"]["labels"][names.LABEL_MANAGED_BY] == "disagg-operator"
+    kinds = sorted((c["kind"], c["metadata"]["name"]) for c in children)
+    assert kinds == sorted([
+        ("ConfigMap", "qwen-launch"), ("Service", "qwen-rendezvous"), ("Deployment", "qwen-rendezvous"),
+        ("Service", "qwen-prefill"), ("StatefulSet", "qwen-prefill"), ("PodDisruptionBudget", "qwen-prefill"),
+        ("Service", "qwen-decode"), ("StatefulSet", "qwen-decode"), ("PodDisruptionBudget", "qwen-decode"),
+        ("Service", "qwen-router"), ("Deployment", "qwen-router")])
+
+
+def test_offline_render_has_no_owner_references():
+    for obj in build_children(make_cr(uid=None)):
+        assert "ownerReferences" not in obj["metadata"]
+
+
+def test_selectors_use_only_instance_and_component_and_match_pod_labels():
+    children = build_children(make_cr())
+    for obj in children:
+        if obj["kind"] in ("StatefulSet", "Deployment", "PodDisruptionBudget"):
+            selector = obj["spec"]["selector"]["matchLabels"]
+        elif obj["kind"] == "Service":
+            selector = obj["spec"]["selector"]
+        else:
+            continue
+        assert set(selector) == {names.LABEL_INSTANCE, names.LABEL_COMPONENT}
+        if "template" in obj["spec"]:
+            assert selector.items() <= obj["spec"]["template"]["metadata"]["labels"].items()
+    assert pod(children, "decode")["metadata"]["labels"]["serving.disagg.io/role"] == "decode"
+
+
+def test_pod_template_overlay_merges_sidecar_and_env_by_name():
+    overlay = {"metadata": {"labels": {names.LABEL_COMPONENT: "hijacked", "team": "ml"}},
+               "spec": {"containers": [
+                   {"name": "engine", "env": [{"name": "DISAGG_HEARTBEAT_SECONDS", "value": "9"},
+                                              {"name": "NEW_VAR", "value": "1"}]},
+                   {"name": "log-shipper", "image": "fluent/fluent-bit:3"}]}}
+    cr = make_cr({"prefill": {"podTemplate": overlay}})
+    template = pod(build_children(cr), "prefill")
+    containers = template["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["engine", "log-shipper"]
+    eng = containers[0]
+    assert eng["image"] == "vllm/vllm-openai:v0.32.0"
+    assert eng["command"] == ["/bin/sh", "/etc/disagg/prefill.sh"]
+    env = env_of(eng)
+    assert env["DISAGG_HEARTBEAT_SECONDS"] == "9" and env["NEW_VAR"] == "1"
+    assert env["DISAGG_ENGINE_ID"] == "$(POD_NAME)-$(POD_UID)"
+    assert eng["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    # Selector labels cannot be overlaid away; other labels can be added.
+    assert template["metadata"]["labels"][names.LABEL_COMPONENT] == "prefill"
+    assert template["metadata"]["labels"]["team"] == "ml"
+    # The other role is untouched.
+    assert [c["name"] for c in pod(build_children(cr), "decode")["spec"]["containers"]] == ["engine"]
+
+
+def test_deep_merge_rules():
+    base = {"a": {"b": 1, "c": [1, 2]}, "items": [{"name": "x", "v": 1}], "gone": 1}
+    merged = deep_merge(base, {"a": {"c": [3]}, "items": [{"name": "x", "w": 2}, {"name": "y"}], "gone": None})
+    assert merged == {"a": {"b": 1, "c": [3]}, "items": [{"name": "x", "v": 1, "w": 2}, {"name": "y"}]}
+    assert base["items"] == [{"name": "x", "v": 1}] and "gone" in base
+
+
+def test_build_is_deterministic():
+    cr = make_cr({"prefill": {"nodeSelector": {"z": "1", "a": "2"}}, "decode": {"dataParallelSize": 2}})
+    first, second = build_children(cr), build_children(make_cr(cr.spec.dump()))
+    assert first == second
+    assert yaml.safe_dump_all(first) == yaml.safe_dump_all(second)
+    assert json.dumps(first) == json.dumps(second)
+
+
+def test_children_share_no_objects():
+    children = build_children(make_cr())
+    engine(children, "prefill")["env"].clear()
+    assert engine(children, "decode")["env"]
+
+
+def test_resources_defaults_and_overrides():
+    cr = make_cr({"decode": {"resources": {"requests": {"memory": "300Gi", "cpu": 40},
+                                           "limits": {"ephemeral-storage": "100Gi"}}}})
+    children = build_children(cr)
+    p = engine(children, "prefill")["resources"]
+    assert p["requests"]["cpu"] == "48" and p["requests"]["memory"] == "512Gi"
+    assert p["limits"]["memory"] == "512Gi" and "cpu" not in p["limits"]
+    d = engine(children, "decode")["resources"]
+    # A one-sided memory override keeps request == limit; cpu has no limit to follow.
+    assert d["requests"]["memory"] == d["limits"]["memory"] == "300Gi"
+    assert d["requests"]["cpu"] == "40" and "cpu" not in d["limits"]
+    assert d["limits"]["ephemeral-storage"] == "100Gi" and "ephemeral-storage" not in d["requests"]
+
+
+def test_startup_probe_budgets():
+    nvidia = engine(build_children(make_cr()), "prefill")["startupProbe"]
+    assert nvidia["httpGet"] == {"path": "/health", "port": "http"} and nvidia["periodSeconds"] == 10
+    assert nvidia["periodSeconds"] * nvidia["failureThreshold"] >= 30 * 60
+    for profile in ("trainium2", "trainium1"):
+        trn = engine(build_children(make_cr(profile=profile)), "prefill")
+        probe = trn["startupProbe"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 60 * 60
+        assert trn["readinessProbe"]["httpGet"]["path"] == trn["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_container_basics_volumes_and_plugin_init_container():
+    images = OperatorImages(operator="registry.example/disagg:dev")
+    template = pod(build_children(make_cr(), images=images), "decode")
+    spec = template["spec"]
+    eng = engine(build_children(make_cr(), images=images), "decode")
+    assert eng["command"] == ["/bin/sh", "/etc/disagg/decode.sh"] and not eng.get("args")
+    assert eng["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert eng["terminationMessagePath"] == "/dev/termination-log"
+    [init] = spec["initContainers"]
+    assert init["name"] == "install-plugin" and init["image"] == "registry.example/disagg:dev"
+    assert init["command"] == ["disagg", "install-plugin", "/opt/disagg"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+    assert volumes["launch"]["configMap"] == {"name": "qwen-launch", "defaultMode": 0o755}
+    assert volumes["disagg-plugin"]["emptyDir"] == {}
+    assert volumes["hf-cache"]["emptyDir"] == {}
+    mounts = {m["mountPath"]: m["name"] for m in eng["volumeMounts"]}
+    assert mounts == {"/dev/shm": "dshm", "/etc/disagg": "launch", "/opt/disagg": "disagg-plugin",
+                      "/root/.cache/huggingface": "hf-cache"}
+
+
+def test_pvc_model_source_and_hub_token():
+    cr = make_cr({"model": {"source": {"pvc": {"claimName": "weights", "path": "/qwen/32b/"}}}})
+    children = build_children(cr)
+    spec = pod(children, "prefill")["spec"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in spec["volumes"]
+    eng = engine(children, "prefill")
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in eng["volumeMounts"]
+    args = engine_args(cr.spec, "prefill")
+    assert args[args.index("--model") + 1] == "/models/qwen/32b"
+    assert args[args.index("--served-model-name") + 1] == "Qwen/Qwen3-32B"
+    assert "HF_TOKEN" not in env_of(eng)
+
+    hub = make_cr({"model": {"source": {"hub": {"tokenSecret": {"name": "hf"}}}}})
+    env = env_of(engine(build_children(hub), "decode"))
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    args = engine_args(hub.spec, "decode")
+    assert args[args.index("--model") + 1] == "Qwen/Qwen3-32B"
+
+
+def test_engine_args_order_and_optional_flags():
+    cr = make_cr({"model": {"maxModelLen": 16384, "dtype": "bfloat16", "servedName": "qwen"},
+                  "engine": {"args": ["--enable-prefix-caching"], "blockSize": 64, "port": 9000},
+                  "decode": {"dataParallelSize": 2, "args": ["--max-num-seqs", "64"]}})
+    prefill, decode = engine_args(cr.spec, "prefill"), engine_args(cr.spec, "decode")
+    assert "--data-parallel-size" not in prefill
+    assert decode[decode.index("--data-parallel-size") + 1] == "2"
+    for args in (prefill, decode):
+        assert args[args.index("--max-model-len") + 1] == "16384"
+        assert args[args.index("--dtype") + 1] == "bfloat16"
+        assert args[args.index("--block-size") + 1] == "64"
+        assert args[args.index("--port") + 1] == "9000"
+        assert args[args.index("--served-model-name") + 1] == "qwen"
+        assert args[args.index("--tensor-parallel-size") + 1] == "4"
+        assert args[args.index("--pipeline-parallel-size") + 1] == "1"
+        assert args.index("--kv-transfer-config") < args.index("--enable-prefix-caching")
+    assert decode[-3:] == ["--enable-prefix-caching", "--max-num-seqs", "64"]
+    assert prefill[-1] == "--enable-prefix-caching"
+
+
+def test_side_channel_ports_per_dp_rank_on_container_and_headless_service():
+    cr = make_cr({"decode": {"dataParallelSize": 3}, "kvTransfer": {"sideChannelPort": 6000}})
+    children = build_children(cr)
+    ports = {p["name"]: p["containerPort"] for p in engine(children, "decode")["ports"]}
+    assert ports == {"http": 8000, "nixl-0": 6000, "nixl-1": 6001, "nixl-2": 6002}
+    svc = child(children, "Service", "qwen-decode")
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
+    assert {p["name"] for p in engine(children, "prefill")["ports"]} == {"http", "nixl-0"}
+
+
+def test_port_collision_is_rejected_naming_the_field():
+    with pytest.raises(ValueError, match="spec.engine.port"):
+        build_children(make_cr({"engine": {"port": 5601}, "decode": {"dataParallelSize": 2}}))
+
+
+def test_statefulset_and_pdb_shape():
+    children = build_children(make_cr({"decode": {"replicas": 3}}))
+    sts = child(children, "StatefulSet", "qwen-decode")["spec"]
+    assert sts["replicas"] == 3 and sts["serviceName"] == "qwen-decode"
+    assert sts["podManagementPolicy"] == "Parallel" and sts["updateStrategy"] == {"type": "RollingUpdate"}
+    pdb = child(children, "PodDisruptionBudget", "qwen-prefill")
+    assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == names.selector_labels("qwen", "prefill")
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    if not selector["matchLabels"].items() <= labels.items():
+        return False
+    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
+
+
+def test_placement_affinity():
+    children = build_children(make_cr())
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        template = pod(children, role)
+        labels, affinity = template["metadata"]["labels"], template["spec"]["affinity"]
+        [zone] = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert zone["topologyKey"] == "topology.kubernetes.io/zone"
+        # Self-matching is what lets the scheduler place the very first engine pod.
+        assert _matches(zone["labelSelector"], labels)
+        assert _matches(zone["labelSelector"], pod(children, other)["metadata"]["labels"])
+        assert not _matches(zone["labelSelector"], {**labels, names.LABEL_INSTANCE: "another-cr"})
+        [layer] = affinity["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert layer["podAffinityTerm"]["topologyKey"] == "topology.k8s.aws/network-node-layer-3"
+        assert _matches(layer["podAffinityTerm"]["labelSelector"], pod(children, other)["metadata"]["labels"])
+        assert not _matches(layer["podAffinityTerm"]["labelSelector"], labels)
+        [spread] = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert spread["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        assert _matches(spread["podAffinityTerm"]["labelSelector"], labels)
+        assert not _matches(spread["podAffinityTerm"]["labelSelector"], pod(children, other)["metadata"]["labels"])
+
+
+def test_placement_off_and_role_affinity_merge():
+    off = make_cr({"placement": {"sameZone": False, "spreadAcrossNodes": False, "preferNetworkLayer": False}})
+    assert "affinity" not in pod(build_children(off), "prefill")["spec"]
+    node_affinity = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]}]}]}}
+    cr = make_cr({"decode": {"affinity": {"nodeAffinity": node_affinity}}})
+    affinity = pod(build_children(cr), "decode")["spec"]["affinity"]
+    assert affinity["nodeAffinity"] == node_affinity
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in affinity["podAffinity"]
+    assert "nodeAffinity" not in pod(build_children(cr), "prefill")["spec"]["affinity"]
+
+
+def test_node_selector_and_tolerations_merge():
+    cr = make_cr({"prefill": {"nodeSelector": {"karpenter.sh/capacity-type": "on-demand"},
+                              "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml",
+                                               "effect": "NoSchedule"}]}})
+    spec = pod(build_children(cr), "prefill")["spec"]
+    assert spec["nodeSelector"] == {"karpenter.sh/capacity-type": "on-demand",
+                                    "node.kubernetes.io/instance-type": "p5en.48xlarge"}
+    assert spec["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}]
+
+
+def test_launch_configmap_and_hash_annotation_roll_pods_on_arg_change():
+    children = build_children(make_cr())
+    data = child(children, "ConfigMap", "qwen-launch")["data"]
+    assert sorted(data) == ["decode.sh", "prefill.sh"]
+    assert '"kv_role":"kv_consumer"' in data["decode.sh"] and '"kv_role":"kv_producer"' in data["prefill.sh"]
+    before = pod(children, "decode")["metadata"]["annotations"]
+    after = pod(build_children(make_cr({"decode": {"args": ["--max-num-seqs", "8"]}})), "decode")
+    assert after["metadata"]["annotations"] != before
+    assert pod(build_children(make_cr({"decode": {"args": ["--max-num-seqs", "8"]}})), "prefill")[
+        "metadata"]["annotations"] == pod(children, "prefill")["metadata"]["annotations"]
+
+
+def test_router_and_rendezvous():
+    cr = make_cr({"router": {"replicas": 2, "serviceType": "LoadBalancer", "port": 80},
+                  "rendezvous": {"heartbeatSeconds": 7}})
+    children = build_children(cr, images=OperatorImages("img:1"))
+    router = child(children, "Deployment", "qwen-router")
+    assert router["spec"]["replicas"] == 2
+    [c] = router["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "img:1"
+    assert c["command"] == ["disagg", "router", "--mode", "push", "--rendezvous",
+                            "http://qwen-rendezvous.ml.svc:8080", "--port", "8000"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
+    svc = child(children, "Service", "qwen-router")["spec"]
+    assert svc["type"] == "LoadBalancer"
+    assert svc["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    assert endpoint_url(cr) == "http://qwen-router.ml.svc:80"
+
+    rdv = child(children, "Deployment", "qwen-rendezvous")
+    assert rdv["spec"]["replicas"] == 1 and rdv["spec"]["strategy"] == {"type": "Recreate"}
+    [c] = rdv["spec"]["template"]["spec"]["containers"]
+    assert c["command"] == ["disagg", "rendezvous", "--port", "8080", "--heartbeat-seconds", "7"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    svc = child(children, "Service", "qwen-rendezvous")["spec"]
+    assert svc["type"] == "ClusterIP" and svc["ports"][0]["port"] == 8080
+
+
+def test_names():
+    assert names.engine_name("a", "prefill") == "a-prefill"
+    assert names.router_name("a") == "a-router" and names.rendezvous_name("a") == "a-rendezvous"
+    assert names.launch_configmap_name("a") == "a-launch"
+    with pytest.raises(ValueError):
+        names.engine_name("a", "router")
+    assert names.labels("a", "router") == {
+        "app.kubernetes.io/name": "disagg", "app.kubernetes.io/instance": "a",
+        "app.kubernetes.io/component": "router", "app.kubernetes.io/managed-by": "disagg-operator"}
+
+
+def test_every_field_is_a_real_kubernetes_field():
+    """lightkube's typed models drop unknown keys, so a misspelled field breaks the round trip."""
+    from lightkube import codecs
+
+    cr = make_cr({"model": {"source": {"hub": {"tokenSecret": {"name": "hf"}}}}, "decode": {"dataParallelSize": 2},
+                  "prefill": {"tolerations": [{"key": "k", "operator": "Exists"}]}})
+    for cr_ in (cr, make_cr({"model": {"source": {"pvc": {"claimName": "w"}}}}, profile="trainium1")):
+        for obj in build_children(cr_):
+            assert codecs.from_dict(obj).to_dict() == obj, (obj["kind"], obj["metadata"]["name"])
