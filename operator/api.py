@@ -7,12 +7,12 @@ apiserver itself rejects bad input with a message that names the field.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from .profiles import PROFILES
+from .profiles import GPU, PROFILES
 
 GROUP = "serving.disagg.io"
 VERSION = "v1alpha1"
@@ -37,6 +37,38 @@ def _cel(rule: str, message: str | None = None, *, message_expression: str | Non
     if reason:
         out["reason"] = reason
     return out
+
+
+def _fmt(template: str, *args: str) -> str:
+    """A CEL messageExpression `"template".format([args])` (%d for ints, %s for strings).
+
+    Use this instead of `'...' + string(self.x)`: the apiserver cannot bound the length of `string(int)`, so
+    concatenating it makes the estimated cost exceed the budget by 100x and the CRD is rejected; `format` has a
+    bounded estimate."""
+    literal = '"' + template.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"{literal}.format([{', '.join(args)}])"
+
+
+def _cel_map(values: dict[str, Any]) -> str:
+    """A CEL map literal, e.g. {'nvidia-h200': 8, 'trainium2': 64}."""
+    def lit(v: Any) -> str:
+        return str(v) if isinstance(v, int) else "'" + str(v).replace("'", "\\'") + "'"
+    return "{" + ", ".join(f"{lit(k)}: {lit(v)}" for k, v in values.items()) + "}"
+
+
+def _rank_unit(p) -> str:
+    if p.accelerator_resource == GPU:
+        return "GPUs"
+    return "logical NeuronCores" if "NEURON_RT_VIRTUAL_CORE_SIZE" in p.env else "NeuronCores"
+
+
+# Per-profile facts the CEL rules look up by `accelerator.profile`, generated from profiles.py so the apiserver
+# and the builders can never disagree.
+_RANKS_PER_NODE = _cel_map({n: p.ranks_per_node for n, p in PROFILES.items()})
+_RANK_UNIT = _cel_map({n: _rank_unit(p) for n, p in PROFILES.items()})
+_EFA_PER_NODE = _cel_map({n: p.efa_per_node for n, p in PROFILES.items()})
+_INSTANCE_TYPE = _cel_map({n: p.instance_type for n, p in PROFILES.items()})
+BLOCK_SIZES = [2 ** i for i in range(13)]  # 1 .. 4096
 
 
 class Model(BaseModel):
@@ -76,7 +108,8 @@ class ModelSource(Model):
     """Where the weights come from. Exactly one of `pvc` or `hub`; the hub is used when neither is set."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        _cel("!(has(self.pvc) && has(self.hub))", "spec.model.source: set at most one of pvc or hub")]})
+        _cel("!(has(self.pvc) && has(self.hub))",
+             "set at most one of pvc and hub (neither means the hub)")]})
     pvc: PVCSource | None = None
     """Load the model from an existing PersistentVolumeClaim."""
     hub: HubSource | None = None
@@ -111,9 +144,10 @@ class EngineSpec(Model):
     """Settings shared by the prefill and decode engines."""
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        _cel("self.blockSize in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]",
-             message_expression="'spec.engine.blockSize must be a power of two (128 is recommended for NIXL), got '"
-                                " + string(self.blockSize)", field_path=".blockSize")]})
+        _cel(f"self.blockSize in {BLOCK_SIZES}",
+             message_expression=_fmt("must be a power of two from 1 to 4096 (128 is recommended for NIXL); got %d",
+                                     "self.blockSize"),
+             field_path=".blockSize")]})
     image: str = Field(default="vllm/vllm-openai:v0.32.0", min_length=1)
     """vLLM image for both roles. On EFA it must carry the EFA userspace (libfabric with the efa provider)."""
     block_size: int = Field(default=128, ge=1, le=4096)
@@ -131,8 +165,8 @@ class KVTransferSpec(Model):
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
         _cel("!(self.mode == 'push' && self.bidirectional)",
-             "spec.kvTransfer.bidirectional: push mode does not support bidirectional transfer; use mode: pull",
-             field_path=".bidirectional"),
+             "push mode does not support bidirectional KV transfer; set spec.kvTransfer.mode: pull or "
+             "bidirectional: false", field_path=".bidirectional"),
     ]})
     mode: Literal["push", "pull"] = "push"
     """`push`: decode pre-registers its blocks and prefill WRITEs KV as soon as it finishes (NixlPushConnector).
@@ -152,22 +186,23 @@ class KVTransferSpec(Model):
     """How long a decode request waits for its KV before it is aborted (vLLM's default is 480 s)."""
 
 
-EfaSetting = Union[Literal["auto", "off"], int]
+EfaSetting = Union[Literal["auto", "off"], Annotated[int, Field(ge=0)]]
 
 
 class AcceleratorSpec(Model):
     """The accelerator profile and EFA usage. The profile fixes the instance type, the device resource, the
     per-pod EFA share and the security settings."""
 
+    # `efa` is int-or-string, which CEL types as dyn: `type(self.efa) == int` tells the two apart at runtime.
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
-        _cel("type(self.efa) == string ? self.efa in ['auto', 'off'] : self.efa >= 0",
-             "spec.accelerator.efa must be 'auto', 'off', or a non-negative count", field_path=".efa"),
-        _cel("type(self.efa) == string || self.efa <= (self.profile == 'nvidia-h100' ? 32 :"
-             " self.profile == 'trainium1' ? 8 : 16)",
-             message_expression="'spec.accelerator.efa: ' + string(self.efa) + ' EFA devices exceed the ' + "
-                                "(self.profile == 'nvidia-h100' ? '32 of p5.48xlarge' : self.profile == 'trainium1'"
-                                " ? '8 of trn1.32xlarge' : self.profile == 'trainium2' ? '16 of trn2.48xlarge' :"
-                                " '16 of p5en.48xlarge')",
+        _cel("type(self.efa) == int ? self.efa >= 0 : self.efa in ['auto', 'off']",
+             message_expression=_fmt("must be 'auto', 'off' or a non-negative count of EFA devices per pod; got %s",
+                                     "type(self.efa) == int ? string(self.efa) : \"'\" + string(self.efa) + \"'\""),
+             field_path=".efa"),
+        _cel(f"type(self.efa) != int || self.efa <= {_EFA_PER_NODE}[self.profile]",
+             message_expression=_fmt("%s EFA devices per pod exceed the %d of one %s node (profile %s)",
+                                     "string(self.efa)", f"{_EFA_PER_NODE}[self.profile]",
+                                     f"{_INSTANCE_TYPE}[self.profile]", "self.profile"),
              field_path=".efa"),
     ]})
     profile: Literal[tuple(PROFILES)]  # type: ignore[valid-type]
@@ -223,11 +258,17 @@ class RoleSpec(Model):
     """Merged over the profile's instance-type selector."""
     tolerations: list[Toleration] = Field(default_factory=list)
     """Added to the profile's tolerations."""
-    affinity: dict[str, Any] | None = Field(default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+    affinity: dict[str, Any] | None = Field(default=None,
+                                            json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
     """A core/v1 Affinity merged over the placement rules the operator computes."""
     pod_template: dict[str, Any] | None = Field(default=None,
                                                 json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
     """A partial PodTemplateSpec deep-merged last, for anything this API does not model."""
+
+
+def ranks_per_pod(role: RoleSpec) -> int:
+    """Accelerator ranks one engine pod drives: every data-parallel rank is a whole TP × PP engine core."""
+    return role.tensor_parallel_size * role.pipeline_parallel_size * role.data_parallel_size
 
 
 class RouterSpec(Model):
@@ -260,14 +301,19 @@ class PlacementSpec(Model):
 
 
 def _ranks_rule(role: str) -> dict[str, str]:
-    ranks = f"self.{role}.tensorParallelSize * self.{role}.pipelineParallelSize"
-    cap = ("(self.accelerator.profile == 'trainium2' ? 64 : self.accelerator.profile == 'trainium1' ? 32 : 8)")
+    # Each data-parallel rank in a pod is a full TP × PP engine core, so all three multiply into the pod's
+    # accelerators, and the pod must fit one node.
+    tp, pp, dp = (f"self.{role}.tensorParallelSize", f"self.{role}.pipelineParallelSize",
+                  f"self.{role}.dataParallelSize")
+    profile = "self.accelerator.profile"
+    cap = f"{_RANKS_PER_NODE}[{profile}]"
     return _cel(
-        f"{ranks} <= {cap}",
-        message_expression=(
-            f"'spec.{role}: tensorParallelSize × pipelineParallelSize = ' + string({ranks}) + ' exceeds the ' + "
-            f"string({cap}) + ' accelerators of one node for profile ' + self.accelerator.profile + "
-            "'; multi-node tensor/pipeline parallelism is not supported yet'"),
+        f"{tp} * {pp} * {dp} <= {cap}",
+        message_expression=_fmt(
+            f"%d {role} ranks (tensorParallelSize %d * pipelineParallelSize %d * dataParallelSize %d) do not fit "
+            "one %s node (profile %s), which has %d %s; multi-node tensor/pipeline parallelism is not supported yet",
+            f"{tp} * {pp} * {dp}", tp, pp, dp, f"{_INSTANCE_TYPE}[{profile}]", profile, cap,
+            f"{_RANK_UNIT}[{profile}]"),
         field_path=f".{role}.tensorParallelSize")
 
 
@@ -278,17 +324,24 @@ class DisaggregatedInferenceSpec(Model):
         _ranks_rule("prefill"),
         _ranks_rule("decode"),
         _cel("self.prefill.tensorParallelSize <= self.decode.tensorParallelSize",
-             message_expression="'spec.prefill.tensorParallelSize (' + string(self.prefill.tensorParallelSize) + "
-                                "') must not exceed spec.decode.tensorParallelSize (' + "
-                                "string(self.decode.tensorParallelSize) + '): unsupported for non-MLA models'",
+             message_expression=_fmt("%d exceeds spec.decode.tensorParallelSize %d; vLLM's NIXL connector needs decode "
+                                     "TP >= prefill TP",
+                                     "self.prefill.tensorParallelSize", "self.decode.tensorParallelSize"),
              field_path=".prefill.tensorParallelSize"),
+        _cel("self.prefill.tensorParallelSize > self.decode.tensorParallelSize || "
+             "self.decode.tensorParallelSize % self.prefill.tensorParallelSize == 0",
+             message_expression=_fmt("%d is not a multiple of spec.prefill.tensorParallelSize %d; vLLM's NIXL "
+                                     "connector splits each prefill rank's KV over a whole number of decode ranks",
+                                     "self.decode.tensorParallelSize", "self.prefill.tensorParallelSize"),
+             field_path=".decode.tensorParallelSize"),
         _cel("self.kvTransfer.mode != 'push' || self.decode.pipelineParallelSize == 1",
-             "spec.decode.pipelineParallelSize: push mode does not support pipeline parallelism on decode; "
-             "use mode: pull or pipelineParallelSize: 1", field_path=".decode.pipelineParallelSize"),
+             "push mode does not support pipeline parallelism on decode; set spec.kvTransfer.mode: pull or "
+             "pipelineParallelSize: 1",
+             field_path=".decode.pipelineParallelSize"),
         _cel("!has(self.kvTransfer.backend) || self.kvTransfer.backend != 'LIBFABRIC' || "
              "(type(self.accelerator.efa) == int ? self.accelerator.efa > 0 : self.accelerator.efa != 'off')",
-             "spec.kvTransfer.backend: LIBFABRIC needs EFA; set spec.accelerator.efa to auto or a count, or use UCX",
-             field_path=".kvTransfer.backend"),
+             "LIBFABRIC needs EFA, but spec.accelerator.efa turns it off; set efa to auto or a count, or use "
+             "backend UCX", field_path=".kvTransfer.backend"),
     ]})
     model: ModelSpec
     """The model to serve."""
@@ -323,7 +376,7 @@ class DisaggregatedInferenceSpec(Model):
         if efa == "off":
             return 0
         if efa == "auto":
-            return self.profile.efa_for(role.tensor_parallel_size * role.pipeline_parallel_size)
+            return self.profile.efa_for(ranks_per_pod(role))
         return int(efa)
 
     @property

@@ -2,12 +2,22 @@
 
 pydantic emits JSON Schema; Kubernetes wants a *structural* OpenAPI v3 schema: every node typed, no $ref,
 no anyOf for nullability, no additionalProperties beside properties. This module is that translation and
-nothing else. `python -m disagg.operator.crdgen` rewrites `crds/`; a test fails when the file drifts.
+nothing else. `python -m disagg.operator.crdgen` rewrites `crds/` and the chart's copy; a test fails when
+either drifts.
+
+Gotchas the real apiserver enforces (each found by installing the CRD, and each covered by a test):
+- a `default` is checked against its object's CEL rules without the nested defaults applied, so nested objects
+  get their full default value, not `{}`;
+- root `metadata` may carry nothing but `type` (no description);
+- int-or-string is the bare `x-kubernetes-int-or-string` extension (no type, no enum), and CEL sees it as dyn;
+- a messageExpression that concatenates `string(<int>)` exceeds the cost budget 100x: see `api._fmt`.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +33,10 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+def _is_int_or_string(variants: list[dict[str, Any]]) -> bool:
+    return sorted(v.get("type", "") for v in variants) == ["integer", "string"]
+
+
 def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if "$ref" in node:
         target = defs[node["$ref"].split("/")[-1]]
@@ -31,9 +45,10 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if "anyOf" in node:
         variants = [v for v in node["anyOf"] if v.get("type") != "null"]
         rest = {k: v for k, v in node.items() if k != "anyOf"}
-        if node.get("x-kubernetes-int-or-string"):
-            out = {k: v for k, v in rest.items() if k not in _DROP}
-            out.pop("type", None)
+        if node.get("x-kubernetes-int-or-string") or _is_int_or_string(variants):
+            # Structural schemas allow int-or-string only as the bare extension: no type, no enum (CEL checks).
+            out = {k: v for k, v in rest.items() if k not in _DROP and not (k == "default" and v is None)}
+            out["x-kubernetes-int-or-string"] = True
             if "description" in out:
                 out["description"] = _one_line(out["description"])
             return out
@@ -55,62 +70,64 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     extra = node.get("additionalProperties")
-    if isinstance(extra, dict) and "properties" not in node:
-        if not extra:  # dict[str, Any]
-            out["x-kubernetes-preserve-unknown-fields"] = True
-        else:
-            out["additionalProperties"] = _structural(extra, defs)
-            if out["additionalProperties"].get("x-kubernetes-int-or-string") is None and \
-                    "anyOf" in extra and {v.get("type") for v in extra["anyOf"]} == {"integer", "string"}:
-                out["additionalProperties"] = {"x-kubernetes-int-or-string": True}
-    if out.get("type") == "object" and "properties" in out:
-        # Nested objects the models default with a factory get `default: {}`, so the apiserver fills in their
-        # scalar defaults and CEL rules can always read them.
-        for name, sub in out["properties"].items():
-            if sub.get("type") == "object" and "properties" in sub and name not in out.get("required", []) \
-                    and "default" not in sub:
-                sub["default"] = {}
+    if "properties" not in node and (extra is True or extra == {}):  # dict[str, Any]
+        out["type"] = "object"
+        out["x-kubernetes-preserve-unknown-fields"] = True
+    elif "properties" not in node and isinstance(extra, dict):  # dict[str, X]
+        out["additionalProperties"] = _structural(extra, defs)
     if out.get("x-kubernetes-preserve-unknown-fields") and "type" not in out:
         out["type"] = "object"
     return out
 
 
-def _int_or_string_maps(schema: dict[str, Any]) -> None:
-    """Quantities (`dict[str, int | str]`) become int-or-string values, as in core/v1 ResourceRequirements."""
-    for sub in schema.get("properties", {}).values():
-        _int_or_string_maps(sub)
-    if "items" in schema:
-        _int_or_string_maps(schema["items"])
-    ap = schema.get("additionalProperties")
-    if isinstance(ap, dict) and "anyOf" in ap:
-        schema["additionalProperties"] = {"x-kubernetes-int-or-string": True}
+def _model_in(annotation: Any) -> type[api.Model] | None:
+    """The Model class an annotation holds directly, in an Optional, or as list items; else None."""
+    if isinstance(annotation, type) and issubclass(annotation, api.Model):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None
+
+
+def _compact(value: Any) -> Any:
+    """A default without its empty collections: the apiserver stores defaults in every object."""
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items() if v not in ({}, [])}
+    return value
+
+
+def _apply_defaults(schema: dict[str, Any], model: type[api.Model]) -> None:
+    """Give each nested object the models build with `default_factory` its full default value, so the apiserver
+    creates it with all its scalar defaults and CEL rules can read every field. (The apiserver checks a
+    `default` against the object's CEL rules as written, without applying the nested defaults first, so
+    `default: {}` would fail rules such as `self.mode == 'push'`.)"""
+    for name, field in model.model_fields.items():
+        sub = schema["properties"][field.alias or name]
+        inner = _model_in(field.annotation)
+        if inner is None:
+            continue
+        node = sub.get("items", sub)
+        _apply_defaults(node, inner)
+        if field.default_factory is inner:
+            sub["default"] = _compact(inner().dump())
 
 
 def openapi_schema() -> dict[str, Any]:
     raw = api.DisaggregatedInference.model_json_schema(by_alias=True, mode="validation")
-    defs = raw.get("$defs", {})
-    _prepare(raw, defs)
-    schema = _structural(raw, defs)
-    _int_or_string_maps(schema)
+    schema = _structural(raw, raw.get("$defs", {}))
+    schema = json.loads(json.dumps(schema))  # no shared nodes: defaults are written per place
+    _apply_defaults(schema, api.DisaggregatedInference)
     props = schema["properties"]
     props["apiVersion"] = {"type": "string", "description": props["apiVersion"]["description"]}
     props["kind"] = {"type": "string", "description": props["kind"]["description"]}
+    # The apiserver forbids anything but `type` here (even a description); it documents ObjectMeta itself.
     props["metadata"] = {"type": "object"}
-    props["status"].pop("default", None)
     schema["required"] = ["spec"]
     conditions = props["status"]["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]
     return schema
-
-
-def _prepare(raw: dict[str, Any], defs: dict[str, Any]) -> None:
-    # pydantic puts quantity maps as anyOf inside additionalProperties; normalise before the structural pass.
-    for d in defs.values():
-        for prop in d.get("properties", {}).values():
-            ap = prop.get("additionalProperties")
-            if isinstance(ap, dict) and "anyOf" in ap:
-                prop["additionalProperties"] = {"anyOf": ap["anyOf"], "x-kubernetes-int-or-string": True}
 
 
 def crd() -> dict[str, Any]:
@@ -143,9 +160,18 @@ def crd() -> dict[str, Any]:
     }
 
 
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data: Any) -> bool:  # no &id001 anchors: every node is written out in full
+        return True
+
+
+REGENERATE = ("run `~/.cache/disagg/venv/bin/python -m disagg.operator.crdgen` from the repository root "
+              "(it writes crds/ and charts/disagg-operator/crds/)")
+
+
 def render() -> str:
     header = "# Generated by `python -m disagg.operator.crdgen` from operator/api.py. Do not edit.\n"
-    return header + yaml.safe_dump(crd(), sort_keys=False, width=120)
+    return header + yaml.dump(crd(), Dumper=_Dumper, sort_keys=False, width=120)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     if stale:
-        sys.exit(f"stale generated CRDs: {', '.join(stale)}; run python -m disagg.operator.crdgen")
+        sys.exit(f"stale generated CRDs: {', '.join(stale)}; {REGENERATE}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""Fixtures for tests that need the DisaggregatedInference API on the apiserver."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from lightkube import codecs
+from lightkube.core.exceptions import ApiError
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.apiextensions_v1 import CustomResourceDefinition
+
+from disagg.operator import api, crdgen
+from support.kube import watch_until
+
+CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / crdgen.CRD_FILENAME
+
+DisaggregatedInference = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
+
+
+def _established(crd: CustomResourceDefinition) -> bool:
+    return any(c.type == "Established" and c.status == "True" for c in (crd.status.conditions or [])) \
+        if crd.status else False
+
+
+@pytest.fixture(scope="session")
+def crd_installed(cluster):
+    """The committed CRD from crds/, created (or replaced) on the apiserver and Established.
+
+    Yields the lightkube generic resource class for DisaggregatedInference."""
+    crd = codecs.from_dict(yaml.safe_load(CRD_FILE.read_text()))
+    name = crd.metadata.name
+    try:
+        cluster.client.create(crd)
+    except ApiError as e:
+        if e.status.code != 409:
+            raise
+        crd.metadata.resourceVersion = cluster.client.get(CustomResourceDefinition, name).metadata.resourceVersion
+        cluster.client.replace(crd)
+    watch_until(cluster, CustomResourceDefinition, name, _established, timeout=30, what="Established")
+    yield DisaggregatedInference

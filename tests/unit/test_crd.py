@@ -1,0 +1,169 @@
+"""The generated CRD: committed copies match the models, the schema is structural and fully documented."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from disagg.operator import api, crdgen
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / crdgen.CRD_FILENAME
+CHART_CRD_PATH = ROOT / "charts" / "disagg-operator" / "crds" / crdgen.CRD_FILENAME
+
+# Keywords a structural schema node may carry (apiextensions v1 JSONSchemaProps we use).
+ALLOWED_KEYS = {
+    "type", "description", "properties", "required", "items", "additionalProperties", "default", "enum",
+    "minimum", "maximum", "minLength", "maxLength", "pattern", "minItems", "maxItems",
+    "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields", "x-kubernetes-validations",
+    "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
+}
+
+
+@pytest.fixture(scope="module")
+def crd() -> dict[str, Any]:
+    return yaml.safe_load(crdgen.render())
+
+
+@pytest.fixture(scope="module")
+def schema(crd) -> dict[str, Any]:
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def walk(node: dict[str, Any], path: str = "", is_property: bool = False) \
+        -> Iterator[tuple[str, dict[str, Any], bool]]:
+    """Every schema node with its path, and whether it is a named property (as opposed to items/values)."""
+    yield path, node, is_property
+    for name, sub in node.get("properties", {}).items():
+        yield from walk(sub, f"{path}.{name}", True)
+    if isinstance(node.get("items"), dict):
+        yield from walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_committed_crd_matches_the_models():
+    assert CRD_PATH.exists(), f"{CRD_PATH.relative_to(ROOT)} is missing; {crdgen.REGENERATE}"
+    assert CRD_PATH.read_text() == crdgen.render(), \
+        f"{CRD_PATH.relative_to(ROOT)} is stale: operator/api.py changed; {crdgen.REGENERATE}"
+
+
+def test_chart_crd_is_byte_identical_to_crds():
+    assert CHART_CRD_PATH.exists(), f"{CHART_CRD_PATH.relative_to(ROOT)} is missing; {crdgen.REGENERATE}"
+    assert CHART_CRD_PATH.read_bytes() == CRD_PATH.read_bytes(), \
+        f"{CHART_CRD_PATH.relative_to(ROOT)} differs from {CRD_PATH.relative_to(ROOT)}; {crdgen.REGENERATE}"
+
+
+def test_check_mode_reports_a_stale_file_and_how_to_regenerate(tmp_path):
+    (tmp_path / crdgen.CRD_FILENAME).write_text("stale\n")
+    with pytest.raises(SystemExit) as stale:
+        crdgen.main(["--check", "--out", str(tmp_path)])
+    assert "crdgen" in str(stale.value.code) and str(tmp_path) in str(stale.value.code)
+    crdgen.main(["--out", str(tmp_path)])
+    crdgen.main(["--check", "--out", str(tmp_path)])  # fresh: no exit
+    assert (tmp_path / crdgen.CRD_FILENAME).read_text() == crdgen.render()
+
+
+def test_rendered_yaml_has_no_anchors():
+    text = crdgen.render()
+    assert not re.search(r"[&*]id\d+", text), "YAML anchors/aliases: shared nodes leaked into the schema"
+
+
+def test_every_property_has_a_description(schema):
+    properties = [p for p, _node, is_prop in walk(schema) if is_prop]
+    assert len(properties) > 100 and ".spec.prefill.tolerations[].tolerationSeconds" in properties
+    missing = [p for p, node, is_prop in walk(schema)
+               if is_prop and p != ".metadata" and not str(node.get("description", "")).strip()]
+    # Root metadata is the one exception: the apiserver forbids anything but `type` there.
+    assert schema["properties"]["metadata"] == {"type": "object"}
+    assert missing == [], f"properties without a description: {missing}"
+
+
+def test_schema_is_structural(schema):
+    problems = []
+    for path, node, _ in walk(schema):
+        where = path or "<root>"
+        if "$ref" in node or "$defs" in node or "title" in node:
+            problems.append(f"{where}: JSON-Schema-only keyword")
+        if "anyOf" in node and not node.get("x-kubernetes-int-or-string"):
+            problems.append(f"{where}: anyOf without x-kubernetes-int-or-string")
+        if "oneOf" in node or "allOf" in node or "not" in node or "nullable" in node:
+            problems.append(f"{where}: combinator/nullable")
+        if "type" not in node and not node.get("x-kubernetes-int-or-string") \
+                and not node.get("x-kubernetes-preserve-unknown-fields"):
+            problems.append(f"{where}: no type")
+        if "properties" in node and "additionalProperties" in node:
+            problems.append(f"{where}: additionalProperties beside properties")
+        if node.get("x-kubernetes-int-or-string") and ("type" in node or "enum" in node):
+            problems.append(f"{where}: int-or-string with type/enum")
+        if unknown := set(node) - ALLOWED_KEYS:
+            problems.append(f"{where}: unexpected keys {sorted(unknown)}")
+        if node.get("type") == "object":
+            for req in node.get("required", []):
+                if req not in node.get("properties", {}):
+                    problems.append(f"{where}: required {req} is not a property")
+    assert problems == []
+
+
+def test_cel_rules_name_real_fields_and_avoid_unbounded_string_concat(schema):
+    rules = [(p, r) for p, node, _ in walk(schema) for r in node.get("x-kubernetes-validations", [])]
+    assert len(rules) >= 10
+    for path, rule in rules:
+        assert rule.get("message") or rule.get("messageExpression"), f"{path}: rule without a message"
+        if "fieldPath" in rule:
+            node = schema
+            for part in (path + rule["fieldPath"]).strip(".").split("."):
+                node = node["properties"][part]
+        # `'...' + string(<int>)` makes the apiserver's cost estimate unbounded (CRD rejected); use api._fmt.
+        expr = rule.get("messageExpression", "")
+        assert not re.search(r"\+\s*string\(|string\([^)]*\)\s*\+", expr.replace("string(self.efa)", "")), \
+            f"{path}: {expr}"
+
+
+def test_nested_objects_default_to_their_full_model_defaults(schema):
+    spec = schema["properties"]["spec"]["properties"]
+    assert spec["kvTransfer"]["default"] == {"mode": "push", "bidirectional": False, "sideChannelPort": 5600,
+                                             "leaseSeconds": 30, "registrationTimeoutSeconds": 60}
+    assert spec["engine"]["default"]["blockSize"] == 128
+    assert spec["prefill"]["default"]["replicas"] == 1
+    assert spec["model"]["properties"]["source"]["default"] == {}
+    # Optional objects have no default: defaulting pvc or hub would break "at most one of pvc and hub".
+    source = spec["model"]["properties"]["source"]["properties"]
+    assert "default" not in source["pvc"] and "default" not in source["hub"]
+    assert "default" not in schema["properties"]["status"]
+    # Each default is a valid model value (the operator parses what the apiserver stores).
+    for field, sub in api.DisaggregatedInferenceSpec.model_fields.items():
+        default = spec[sub.alias]["default"] if "default" in spec[sub.alias] else None
+        if default is not None:
+            assert sub.annotation.model_validate(default) == sub.default_factory(), field
+
+
+def test_efa_is_int_or_string(schema):
+    efa = schema["properties"]["spec"]["properties"]["accelerator"]["properties"]["efa"]
+    assert efa == {"default": "auto", "description": efa["description"], "x-kubernetes-int-or-string": True}
+    assert api.AcceleratorSpec(profile="nvidia-h200", efa=16).efa == 16
+    with pytest.raises(ValueError):
+        api.AcceleratorSpec(profile="nvidia-h200", efa=-1)
+
+
+def test_status_subresource_and_printer_columns(crd):
+    version = crd["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}}
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == \
+        ["Mode", "Prefill", "Decode", "Ready", "Endpoint", "Age"]
+    assert crd["spec"]["names"]["shortNames"] == ["dinf"]
+
+
+def test_cel_profile_tables_come_from_profiles():
+    from disagg.operator.profiles import PROFILES
+
+    rules = " ".join(r.get("rule", "") + r.get("messageExpression", "")
+                     for m in (api.AcceleratorSpec, api.DisaggregatedInferenceSpec)
+                     for r in m.model_config["json_schema_extra"]["x-kubernetes-validations"])
+    for name, p in PROFILES.items():
+        assert f"'{name}': {p.ranks_per_node}" in rules
+        assert f"'{name}': {p.efa_per_node}" in rules
+        assert f"'{name}': '{p.instance_type}'" in rules
