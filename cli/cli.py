@@ -31,6 +31,18 @@ def _demo(args: argparse.Namespace) -> None:
     demo.run(keep=args.keep)
 
 
+def _render(args: argparse.Namespace) -> None:
+    from disagg.operator import render
+
+    sys.exit(render.main(args.file, operator_image=args.operator_image))
+
+
+def _operator(args: argparse.Namespace) -> None:
+    from disagg.operator import run
+
+    run.main(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disagg", description="Disaggregated vLLM serving on Kubernetes.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -47,6 +59,17 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="bring up the local cluster and show the product working")
     d.add_argument("--keep", action="store_true", help="leave the cluster running until Ctrl-C")
     d.set_defaults(func=_demo)
+
+    from disagg.operator import run as operator_run
+
+    o = sub.add_parser("operator", help="run the operator (kopf) against the current kubeconfig or in-cluster")
+    operator_run.add_arguments(o)
+    o.set_defaults(func=_operator)
+
+    r = sub.add_parser("render", help="print every object the operator would create for a CR (no cluster)")
+    r.add_argument("-f", "--file", required=True, help="DisaggregatedInference YAML file, or - for stdin")
+    r.add_argument("--operator-image", help="image for the router, rendezvous and plugin init container")
+    r.set_defaults(func=_render)
     return p
 
 

@@ -93,6 +93,8 @@ class ClusterConfig:
     # Ports are normally picked free at start; tests pin one to provoke a real bind failure.
     etcd_port: int | None = None
     startup_timeout: float = 120.0
+    # Write an apiserver audit log (metadata level) to logs/audit.log: benchmarks count requests with it.
+    audit: bool = False
 
 
 class LocalCluster:
@@ -213,21 +215,40 @@ class LocalCluster:
             "--allow-privileged=true",
             f"--cert-dir={self.dir / 'apiserver-certs'}",
             "--profiling=false", "--v=1",
+            *self._audit_flags(),
         ])
         self._await(p, lambda: self._get(f"{self.server}/readyz", c.admin_token, self._tls()) == b"ok", "ready")
 
-    def _write_kubeconfig(self) -> None:
+    @property
+    def audit_log(self) -> Path:
+        return self.dir / "logs" / "audit.log"
+
+    def _audit_flags(self) -> list[str]:
+        if not self.config.audit:
+            return []
+        policy = self.dir / "audit-policy.yaml"
+        policy.write_text(yaml.safe_dump({"apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+                                          "omitStages": ["RequestReceived"], "rules": [{"level": "Metadata"}]}))
+        return [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}", "--audit-log-maxsize=0"]
+
+    def kubeconfig_for(self, user: str) -> Path:
+        """A kubeconfig for one of the static-token users (`admin`, `disagg-operator`)."""
         assert self.creds is not None
+        path = self.kubeconfig if user == "admin" else self.dir / f"kubeconfig-{user}"
         cfg = {
             "apiVersion": "v1", "kind": "Config", "current-context": self.config.name,
             "clusters": [{"name": self.config.name, "cluster": {
                 "server": self.server, "certificate-authority": str(self.creds.ca_cert)}}],
-            "users": [{"name": "admin", "user": {"token": self.creds.admin_token}}],
-            "contexts": [{"name": self.config.name, "context": {"cluster": self.config.name, "user": "admin",
+            "users": [{"name": user, "user": {"token": self.creds.token(user)}}],
+            "contexts": [{"name": self.config.name, "context": {"cluster": self.config.name, "user": user,
                                                                 "namespace": "default"}}],
         }
-        self.kubeconfig.write_text(yaml.safe_dump(cfg))
-        self.kubeconfig.chmod(0o600)
+        path.write_text(yaml.safe_dump(cfg))
+        path.chmod(0o600)
+        return path
+
+    def _write_kubeconfig(self) -> None:
+        self.kubeconfig_for("admin")
 
     def _start_controllers(self, progress) -> None:
         assert self.creds is not None

@@ -9,7 +9,7 @@ from typing import Any
 from disagg.connector.launch import ENGINE_ID_PLACEHOLDER, render_launch_script
 
 from . import names
-from .api import DisaggregatedInference, DisaggregatedInferenceSpec, RoleSpec
+from .api import DisaggregatedInference, DisaggregatedInferenceSpec, RoleSpec, ranks_per_pod
 from .merge import deep_merge
 from .meta import OperatorImages, cr_name, http_probe, namespace_of, object_meta
 from .profiles import EFA
@@ -41,9 +41,6 @@ def role_spec(spec: DisaggregatedInferenceSpec, role: str) -> RoleSpec:
     return spec.prefill if role == "prefill" else spec.decode
 
 
-def ranks_per_pod(role: RoleSpec) -> int:
-    # Matches DisaggregatedInferenceSpec.efa_for and the CRD's node-capacity rule (TP × PP).
-    return role.tensor_parallel_size * role.pipeline_parallel_size
 
 
 def side_channel_ports(spec: DisaggregatedInferenceSpec, role: RoleSpec) -> list[int]:

@@ -3,6 +3,7 @@ the same tests at an existing cluster (kind, EKS) instead."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import uuid
 from dataclasses import dataclass
@@ -33,12 +34,14 @@ def cluster():
     from disagg.devcluster.cluster import ClusterConfig, LocalCluster
 
     build.ensure_built(quiet=True)
-    local = LocalCluster(ClusterConfig(name="pytest"))
+    # One cluster per session, named by pid, so two test runs on one machine never share or wipe state.
+    local = LocalCluster(ClusterConfig(name=f"pytest-{os.getpid()}"))
     local.start(progress=lambda m: print(m, file=sys.stderr, flush=True))
     try:
         yield TestCluster(local.kubeconfig, local.client(), local)
     finally:
         local.stop()
+        shutil.rmtree(local.dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -48,3 +51,6 @@ def namespace(cluster):
     cluster.client.create(Namespace(metadata=ObjectMeta(name=name)))
     yield name
     cluster.client.delete(Namespace, name)
+    # Wait until it is gone so its pods' GPUs and EFA devices are free for the next test.
+    from support.kube import watch_until
+    watch_until(cluster, Namespace, name, lambda ns: False, timeout=120, what="deleted", gone_ok=True)

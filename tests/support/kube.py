@@ -12,7 +12,7 @@ T = TypeVar("T")
 
 
 async def _watch_until(kubeconfig: Path, res: type[T], name: str, predicate: Callable[[T], bool],
-                       namespace: str | None, timeout: float, what: str) -> T:
+                       namespace: str | None, timeout: float, what: str, gone_ok: bool) -> T | None:
     client = AsyncClient(KubeConfig.from_file(kubeconfig))
     last: T | None = None
     try:
@@ -25,9 +25,13 @@ async def _watch_until(kubeconfig: Path, res: type[T], name: str, predicate: Cal
             except ApiError as e:
                 if e.status.code != 404:
                     raise
+                if gone_ok:
+                    return None
                 rv = None
-            async for _op, obj in client.watch(res, namespace=namespace, fields={"metadata.name": name},
-                                               resource_version=rv):
+            async for op, obj in client.watch(res, namespace=namespace, fields={"metadata.name": name},
+                                              resource_version=rv):
+                if op == "DELETED" and gone_ok:
+                    return None
                 last = obj
                 if predicate(obj):
                     return obj
@@ -39,9 +43,11 @@ async def _watch_until(kubeconfig: Path, res: type[T], name: str, predicate: Cal
 
 
 def watch_until(cluster, res: type[T], name: str, predicate: Callable[[T], bool], *,
-                namespace: str | None = None, timeout: float = 60, what: str = "condition") -> T:
-    """Return the object once `predicate` holds, following a watch from the current resourceVersion."""
-    return asyncio.run(_watch_until(cluster.kubeconfig, res, name, predicate, namespace, timeout, what))
+                namespace: str | None = None, timeout: float = 60, what: str = "condition",
+                gone_ok: bool = False) -> T:
+    """Return the object once `predicate` holds, following a watch from the current resourceVersion.
+    With gone_ok, the object's deletion (or absence) also ends the wait, returning None."""
+    return asyncio.run(_watch_until(cluster.kubeconfig, res, name, predicate, namespace, timeout, what, gone_ok))
 
 
 def condition(obj, ctype: str):

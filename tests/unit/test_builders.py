@@ -68,6 +68,13 @@ def test_p5en_tp4_gets_four_gpus_eight_efa_hugepages_and_privileged():
     assert kv_config(make_cr(), "prefill")["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"]}
 
 
+def test_data_parallel_ranks_multiply_into_devices_and_efa():
+    cr = make_cr()
+    cr.spec.prefill.tensor_parallel_size, cr.spec.prefill.data_parallel_size = 2, 3
+    res = engine(build_children(cr, images=OperatorImages()), "prefill")["resources"]["limits"]
+    assert res["nvidia.com/gpu"] == "6" and res["vpc.amazonaws.com/efa"] == "12"
+
+
 def test_trn2_tp32_gets_eight_neuron_devices_and_ipc_lock_not_privileged():
     cr = make_cr({"prefill": {"tensorParallelSize": 32}, "decode": {"tensorParallelSize": 32}}, profile="trainium2")
     c = engine(build_children(cr), "decode")

@@ -1,0 +1,15 @@
+"""Prometheus metrics of the operator (served on --metrics-port)."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+RECONCILES = Counter("disagg_operator_reconciles_total", "Reconcile passes by trigger and result",
+                     ["trigger", "result"])
+RECONCILE_SECONDS = Histogram("disagg_operator_reconcile_seconds", "Duration of a reconcile pass",
+                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+CHILD_WRITES = Counter("disagg_operator_child_changes_total", "Children created or updated", ["kind", "change"])
+STATUS_WRITES = Counter("disagg_operator_status_writes_total", "Status subresource patches")
+API_ERRORS = Counter("disagg_operator_api_errors_total", "Failed API calls", ["kind", "verb"])
+API_SECONDS = Histogram("disagg_operator_api_seconds", "Latency of API calls", ["verb"],
+                        buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+MANAGED = Gauge("disagg_operator_managed_resources", "DisaggregatedInference objects known to this operator")

@@ -1,0 +1,178 @@
+"""Apply a DisaggregatedInference's children and publish its status.
+
+The reconciler is the executor: the builders decide *what* should exist (pure), this module makes the
+cluster match with server-side apply under one field manager, and writes status only when it changed.
+Hard bounds it enforces:
+- every write is a server-side apply with force, so a hand-edited field we own is put back;
+- a no-op pass writes nothing (SSA of an unchanged object is not persisted; status is compared first);
+- one pass per CR at a time: triggers that arrive during a pass coalesce into one more pass.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping
+
+from lightkube import AsyncClient, codecs
+from lightkube.core.exceptions import ApiError
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.types import PatchType
+
+from . import api, metrics
+from .builders import OperatorImages, build_children, endpoint_url
+from .status import Observed, compute_status
+
+FIELD_MANAGER = "disagg-operator"
+DinfResource = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
+
+Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
+ChildKey = tuple[str, str, str]  # (kind, namespace, name)
+
+
+@dataclass
+class ApplyOutcome:
+    created: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    unchanged: int = 0
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def child_marker(obj: Mapping[str, Any]) -> str:
+    """What identifies our own write of a child: its generation where it has one (spec changes only), else
+    its resourceVersion."""
+    meta = obj.get("metadata", {})
+    return f"g{meta['generation']}" if meta.get("generation") else f"rv{meta.get('resourceVersion')}"
+
+
+class Coalescer:
+    """At most one run per key; a trigger during a run schedules exactly one more run."""
+
+    def __init__(self) -> None:
+        self._running: set[Key] = set()
+        self._again: set[Key] = set()
+
+    async def run(self, key: Key, fn: Callable[[], Awaitable[None]]) -> None:
+        if key in self._running:
+            self._again.add(key)
+            return
+        self._running.add(key)
+        try:
+            while True:
+                self._again.discard(key)
+                await fn()
+                if key not in self._again:
+                    return
+        finally:
+            self._running.discard(key)
+
+
+class Reconciler:
+    def __init__(self, client: AsyncClient, images: OperatorImages, logger: logging.Logger | None = None):
+        self.client = client
+        self.images = images
+        self.log = logger or logging.getLogger("disagg.operator")
+        self.coalescer = Coalescer()
+        # What our last apply of each child produced: a later event with the same marker is our own echo.
+        self.applied: dict[ChildKey, str] = {}
+
+    # -- children ----------------------------------------------------------------------------------------
+    async def apply_children(self, cr: api.DisaggregatedInference) -> ApplyOutcome:
+        outcome = ApplyOutcome()
+        for obj in build_children(cr, images=self.images):
+            kind, ns, name = obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+            key = (kind, ns, name)
+            before = self.applied.get(key)
+            t0 = time.monotonic()
+            try:
+                res = await self._apply(obj)
+            except ApiError as e:
+                metrics.API_ERRORS.labels(kind=kind, verb="apply").inc()
+                raise ApplyFailed(f"applying {kind} {ns}/{name}: {e.status.message}", e.status.code) from e
+            finally:
+                metrics.API_SECONDS.labels(verb="apply").observe(time.monotonic() - t0)
+            after_obj = res.to_dict() if hasattr(res, "to_dict") else dict(res)
+            after = child_marker(after_obj)
+            self.applied[key] = after
+            if after_obj["metadata"].get("generation") == 1 and before is None and \
+                    after_obj["metadata"].get("resourceVersion") and _fresh(after_obj):
+                outcome.created.append(f"{kind}/{name}")
+            elif before is not None and before != after:
+                outcome.updated.append(f"{kind}/{name}")
+            else:
+                outcome.unchanged += 1
+        return outcome
+
+    async def _apply(self, obj: dict[str, Any]):
+        resource = codecs.from_dict(obj)
+        try:
+            return await self.client.apply(resource, field_manager=FIELD_MANAGER, force=True)
+        except ApiError as e:
+            if e.status.code != 422:
+                raise
+        # Server-side apply merges list entries by key, so an entry someone else added by hand survives our
+        # apply and can make the result invalid (two Service ports named "http"). A JSON merge patch replaces
+        # lists wholesale: it puts our lists back, then the apply takes ownership again.
+        self.log.info("apply of %s %s was invalid; repairing hand-edited lists with a merge patch",
+                      obj["kind"], obj["metadata"]["name"])
+        await self.client.patch(type(resource), obj["metadata"]["name"], obj, namespace=obj["metadata"].get("namespace"),
+                                patch_type=PatchType.MERGE, field_manager=FIELD_MANAGER)
+        return await self.client.apply(resource, field_manager=FIELD_MANAGER, force=True)
+
+    async def exists(self, namespace: str, name: str) -> bool:
+        """Ask the apiserver, not the watch cache: a deletion may not have reached our index yet."""
+        try:
+            obj = await self.client.get(DinfResource, name, namespace=namespace)
+        except ApiError as e:
+            if e.status.code == 404:
+                return False
+            raise
+        return obj.metadata.deletionTimestamp is None
+
+    def is_own_echo(self, kind: str, body: Mapping[str, Any]) -> bool:
+        meta = body.get("metadata", {})
+        return self.applied.get((kind, meta.get("namespace", ""), meta.get("name", ""))) == child_marker(body)
+
+    # -- status ------------------------------------------------------------------------------------------
+    async def publish_status(self, cr: api.DisaggregatedInference, body: Mapping[str, Any],
+                             observed: Observed) -> bool:
+        meta = body["metadata"]
+        previous = dict(body.get("status") or {})
+        status = compute_status(cr.spec, int(meta.get("generation", 0)), observed, endpoint_url(cr), previous,
+                                _now())
+        if _same_status(previous, status):
+            return False
+        try:
+            await self.client.patch(DinfResource.Status, meta["name"], {"status": status},
+                                    namespace=meta["namespace"], patch_type=PatchType.MERGE)
+        except ApiError as e:
+            metrics.API_ERRORS.labels(kind=api.KIND, verb="patch-status").inc()
+            if e.status.code == 404:  # deleted meanwhile
+                return False
+            raise
+        metrics.STATUS_WRITES.inc()
+        return True
+
+
+class ApplyFailed(RuntimeError):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _fresh(obj: Mapping[str, Any], seconds: float = 30) -> bool:
+    ts = obj.get("metadata", {}).get("creationTimestamp")
+    if not ts:
+        return False
+    created = dt.datetime.fromisoformat(str(ts).replace("Z", "+00:00"))
+    return (dt.datetime.now(dt.timezone.utc) - created).total_seconds() < seconds
+
+
+def _same_status(previous: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    # Compare only what we own; other writers' keys (none expected) are left alone by a merge patch anyway.
+    return all(previous.get(k) == v for k, v in new.items())

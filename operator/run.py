@@ -1,0 +1,69 @@
+"""`disagg operator`: run the kopf operator."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[],
+                       help="watch only this namespace (repeatable); default: all namespaces")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    p.add_argument("--peering", default=os.environ.get("DISAGG_PEERING"),
+                      help="kopf peering name: replicas sharing it elect one active operator "
+                           "(needs the kopf.dev peering CRDs); default: standalone")
+    p.add_argument("--operator-image", default=os.environ.get("DISAGG_OPERATOR_IMAGE"),
+                   help="image for the router, rendezvous and plugin init container")
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DISAGG_METRICS_PORT", "8080")),
+                   help="Prometheus metrics port (0 disables)")
+    p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint URL")
+    p.add_argument("--resync-seconds", type=float, default=300.0, help="periodic drift-correction interval")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def main(args: argparse.Namespace) -> None:
+    # Heavy imports stay here so `disagg --help` and the other subcommands never pay for kopf.
+    import kopf
+    from lightkube import AsyncClient, KubeConfig
+    from prometheus_client import start_http_server
+
+    from .builders import OperatorImages
+
+    os.environ["DISAGG_RESYNC_SECONDS"] = str(args.resync_seconds)
+    from . import handlers  # noqa: F401  (registers the handlers with kopf's default registry)
+    from .reconciler import Reconciler
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpx2", "httpcore"):  # one line per request drowns the operator's own log
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
+    images = OperatorImages(operator=args.operator_image) if args.operator_image else OperatorImages()
+
+    @kopf.on.startup()
+    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+        # Keep kopf's bookkeeping in annotations under our prefix, never in .status (which we own).
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="serving.disagg.io")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="serving.disagg.io", key="last-handled-configuration")
+        settings.posting.level = logging.INFO
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 30
+        memo.shared = {}
+        memo.reconciler = Reconciler(AsyncClient(KubeConfig.from_env()), images)
+        memo.resync = asyncio.create_task(handlers.resync_forever(memo, logging.getLogger("disagg.resync")))
+
+    @kopf.on.cleanup()
+    async def close(memo: kopf.Memo, **_) -> None:
+        memo.resync.cancel()
+        await memo.reconciler.client.close()
+
+    asyncio.run(kopf.operator(
+        clusterwide=not args.namespace, namespaces=args.namespace,
+        standalone=args.peering is None, peering_name=args.peering,
+        liveness_endpoint=args.liveness or None, memo=kopf.Memo(),
+    ))

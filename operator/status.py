@@ -1,0 +1,141 @@
+"""Pure status computation: observed children in, the CR's status out.
+
+Invariants:
+- `Ready` is True only when every role has all desired replicas ready and updated and the router is ready.
+- `Progressing` is True while any role or the router is rolling out or scaling.
+- `Degraded` is True when an engine's preflight check failed (its one-line termination message is copied
+  here) or an engine container is crash-looping; it names the pod.
+- A condition's lastTransitionTime changes only when its status changes, so an unchanged world yields an
+  identical status and the operator writes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .api import DisaggregatedInferenceSpec
+
+
+@dataclass(frozen=True)
+class WorkloadState:
+    """What the operator reads from one StatefulSet or Deployment."""
+
+    desired: int = 0
+    replicas: int = 0
+    ready: int = 0
+    updated: int = 0
+    observed_current: bool = True  # status.observedGeneration caught up with metadata.generation
+    exists: bool = False
+
+    @property
+    def settled(self) -> bool:
+        return self.exists and self.observed_current and self.ready == self.desired == self.updated \
+            and self.replicas == self.desired
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    pod: str
+    role: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Observed:
+    prefill: WorkloadState = field(default_factory=WorkloadState)
+    decode: WorkloadState = field(default_factory=WorkloadState)
+    router: WorkloadState = field(default_factory=WorkloadState)
+    problems: tuple[PodProblem, ...] = ()
+
+
+def workload_state(obj: dict[str, Any] | None) -> WorkloadState:
+    if not obj:
+        return WorkloadState()
+    spec, st, meta = obj.get("spec", {}), obj.get("status", {}) or {}, obj.get("metadata", {})
+    return WorkloadState(
+        desired=int(spec.get("replicas", 1) if spec.get("replicas") is not None else 1),
+        replicas=int(st.get("replicas", 0) or 0),
+        ready=int(st.get("readyReplicas", 0) or 0),
+        updated=int(st.get("updatedReplicas", 0) or 0),
+        observed_current=int(st.get("observedGeneration", 0) or 0) >= int(meta.get("generation", 0) or 0),
+        exists=True,
+    )
+
+
+def pod_problems(pod: dict[str, Any]) -> list[PodProblem]:
+    """A preflight failure shows up as a terminated container with a termination message."""
+    name = pod.get("metadata", {}).get("name", "?")
+    role = pod.get("metadata", {}).get("labels", {}).get("serving.disagg.io/role", "?")
+    out = []
+    for cs in (pod.get("status", {}) or {}).get("containerStatuses", []) or []:
+        states = (cs.get("state", {}) or {}, cs.get("lastState", {}) or {})
+        # The termination message (the preflight's one-line reason) beats the generic waiting reason that a
+        # crash-looping container shows meanwhile.
+        term = next((st["terminated"] for st in states if st.get("terminated")
+                     and st["terminated"].get("exitCode", 0) != 0), None)
+        waiting = (states[0].get("waiting") or {}).get("reason")
+        if term:
+            msg = (term.get("message") or term.get("reason") or f"exit code {term.get('exitCode')}").strip()
+            out.append(PodProblem(name, role, "EngineFailed", msg.splitlines()[0] if msg else "failed"))
+        elif waiting in ("CrashLoopBackOff", "CreateContainerConfigError", "ImagePullBackOff", "ErrImagePull"):
+            out.append(PodProblem(name, role, waiting, states[0]["waiting"].get("message") or waiting))
+    return out
+
+
+def _cond(ctype: str, ok: bool, reason: str, message: str, generation: int,
+          previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    prev = previous.get(ctype)
+    since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get("lastTransitionTime") \
+        else now
+    return {"type": ctype, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": generation}
+
+
+def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: Observed, endpoint: str,
+                   previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    prev_conds = {c["type"]: c for c in (previous or {}).get("conditions", []) or []}
+    roles = {"prefill": (spec.prefill.replicas, observed.prefill), "decode": (spec.decode.replicas, observed.decode)}
+
+    pending = []
+    for role, (want, st) in roles.items():
+        if not st.exists:
+            pending.append(f"{role} StatefulSet not created yet")
+        elif not st.settled or st.desired != want:
+            pending.append(f"{role} {st.ready}/{want} ready, {st.updated} updated")
+    if spec.router.replicas and not observed.router.settled:
+        pending.append(f"router {observed.router.ready}/{spec.router.replicas} ready")
+
+    if observed.problems:
+        p = observed.problems[0]
+        more = f" (+{len(observed.problems) - 1} more)" if len(observed.problems) > 1 else ""
+        degraded = _cond("Degraded", True, p.reason, f"{p.role} pod {p.pod}: {p.message}{more}", generation,
+                         prev_conds, now)
+    else:
+        degraded = _cond("Degraded", False, "AsExpected", "no engine failures observed", generation, prev_conds, now)
+    progressing = _cond("Progressing", bool(pending), "RollingOut" if pending else "Settled",
+                        "; ".join(pending) if pending else "all replicas updated and ready", generation,
+                        prev_conds, now)
+    ready_ok = not pending and not observed.problems
+    ready = _cond("Ready", ready_ok, "AllReplicasReady" if ready_ok else ("EngineFailed" if observed.problems
+                                                                         else "ReplicasNotReady"),
+                  f"serving {spec.served_name} at {endpoint}" if ready_ok else
+                  (degraded["message"] if observed.problems else "; ".join(pending)), generation, prev_conds, now)
+
+    def role_status(role: str) -> dict[str, int]:
+        want, st = roles[role]
+        return {"desired": want, "ready": st.ready, "updated": st.updated}
+
+    return {
+        "observedGeneration": generation,
+        "conditions": [ready, progressing, degraded],
+        "prefill": role_status("prefill"),
+        "decode": role_status("decode"),
+        "prefillReady": f"{observed.prefill.ready}/{spec.prefill.replicas}",
+        "decodeReady": f"{observed.decode.ready}/{spec.decode.replicas}",
+        "endpoint": endpoint,
+        "connector": spec.connector,
+        "backend": spec.backend,
+        "mode": spec.kv_transfer.mode,
+    }

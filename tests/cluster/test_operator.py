@@ -1,0 +1,222 @@
+"""The operator reconciles DisaggregatedInference objects on the real local cluster."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from lightkube import codecs
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.apps_v1 import Deployment, StatefulSet
+from lightkube.resources.core_v1 import ConfigMap, Event, Node, Pod, Service
+from lightkube.resources.policy_v1 import PodDisruptionBudget
+from lightkube.types import PatchType
+
+from support.kube import watch_until
+from support.operator import OperatorProcess
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+Dinf = create_namespaced_resource("serving.disagg.io", "v1alpha1", "DisaggregatedInference",
+                                  "disaggregatedinferences")
+CHILD_KINDS = (StatefulSet, Deployment, Service, ConfigMap, PodDisruptionBudget)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, crd_installed, tmp_path_factory):
+    op = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log", resync_seconds=3)
+    op.start()
+    yield op
+    op.stop()
+
+
+def cond(obj, ctype: str) -> dict | None:
+    return next((c for c in (obj.status or {}).get("conditions", []) if c["type"] == ctype), None)
+
+
+def is_ready(dinf) -> bool:
+    c = cond(dinf, "Ready")
+    return c is not None and c["status"] == "True" and \
+        dinf.status.get("observedGeneration") == dinf.metadata.generation
+
+
+def create(cluster, namespace: str, manifest: dict) -> str:
+    manifest = {**manifest, "metadata": {**manifest["metadata"], "namespace": namespace}}
+    cluster.client.create(codecs.from_dict(manifest))
+    return manifest["metadata"]["name"]
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((REPO / "manifests" / "examples" / name).read_text())
+
+
+def small(name: str, **spec) -> dict:
+    base = {"model": {"name": "tiny/llama"}, "accelerator": {"profile": "nvidia-h200"},
+            "prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}}
+    return {"apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference",
+            "metadata": {"name": name}, "spec": {**base, **spec}}
+
+
+def children(cluster, namespace: str, name: str) -> dict[tuple[str, str], str]:
+    out = {}
+    for kind in CHILD_KINDS:
+        for obj in cluster.client.list(kind, namespace=namespace, labels={"app.kubernetes.io/instance": name}):
+            out[(kind.__name__, obj.metadata.name)] = obj.metadata.resourceVersion
+    return out
+
+
+EXPECTED_CHILDREN = {("StatefulSet", "{n}-prefill"), ("StatefulSet", "{n}-decode"), ("Deployment", "{n}-router"),
+                     ("Deployment", "{n}-rendezvous"), ("Service", "{n}-prefill"), ("Service", "{n}-decode"),
+                     ("Service", "{n}-router"), ("Service", "{n}-rendezvous"), ("ConfigMap", "{n}-launch"),
+                     ("PodDisruptionBudget", "{n}-prefill"), ("PodDisruptionBudget", "{n}-decode")}
+
+
+def expected(name: str) -> set[tuple[str, str]]:
+    return {(k, n.format(n=name)) for k, n in EXPECTED_CHILDREN}
+
+
+@pytest.mark.parametrize("file, instance_type, accel, per_pod, efa, prefill, decode, backend", [
+    ("qwen3-32b-p5en.yaml", "p5en.48xlarge", "nvidia.com/gpu", "4", "8", 1, 1, "LIBFABRIC"),
+    ("qwen3-32b-p5en-2p1d.yaml", "p5en.48xlarge", "nvidia.com/gpu", "4", "8", 2, 1, "LIBFABRIC"),
+    ("llama-trn2.yaml", "trn2.48xlarge", "aws.amazon.com/neuron", "8", "8", 1, 1, "LIBFABRIC"),
+])
+def test_examples_become_ready_on_the_right_nodes(cluster, operator, namespace, file, instance_type, accel,
+                                                  per_pod, efa, prefill, decode, backend):
+    name = create(cluster, namespace, example(file))
+    dinf = watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready")
+    assert dinf.status["prefill"] == {"desired": prefill, "ready": prefill, "updated": prefill}
+    assert dinf.status["decode"] == {"desired": decode, "ready": decode, "updated": decode}
+    assert dinf.status["backend"] == backend
+    assert dinf.status["endpoint"].startswith(f"http://{name}-router.{namespace}.svc")
+    assert children(cluster, namespace, name).keys() == expected(name)
+
+    pods = list(cluster.client.list(Pod, namespace=namespace, labels={"app.kubernetes.io/instance": name}))
+    engines = [p for p in pods if p.metadata.labels.get("serving.disagg.io/role")]
+    assert len(engines) == prefill + decode
+    zones = set()
+    for pod in engines:
+        node = cluster.client.get(Node, pod.spec.nodeName)
+        assert node.metadata.labels["node.kubernetes.io/instance-type"] == instance_type
+        zones.add(node.metadata.labels["topology.kubernetes.io/zone"])
+        limits = pod.spec.containers[0].resources.limits
+        assert limits[accel] == per_pod and limits["vpc.amazonaws.com/efa"] == efa
+    assert len(zones) == 1, "prefill and decode share one zone: EFA does not cross zones"
+
+
+def test_scale_changes_only_replicas_and_spec_change_rolls(cluster, operator, namespace):
+    name = create(cluster, namespace, small("scale"))
+    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
+    c = cluster.client
+    before = c.get(StatefulSet, f"{name}-prefill", namespace=namespace)
+    decode_gen = c.get(StatefulSet, f"{name}-decode", namespace=namespace).metadata.generation
+
+    c.patch(Dinf, name, {"spec": {"prefill": {"replicas": 3}}}, namespace=namespace, patch_type=PatchType.MERGE)
+    dinf = watch_until(cluster, Dinf, name, lambda d: is_ready(d) and d.status["prefill"]["ready"] == 3,
+                       namespace=namespace, timeout=60, what="3 prefill ready")
+    assert dinf.status["prefillReady"] == "3/3"
+    after = c.get(StatefulSet, f"{name}-prefill", namespace=namespace)
+    assert after.spec.replicas == 3
+    assert after.status.updateRevision == before.status.updateRevision, "scaling must not roll the pods"
+    assert c.get(StatefulSet, f"{name}-decode", namespace=namespace).metadata.generation == decode_gen
+
+    c.patch(Dinf, name, {"spec": {"engine": {"args": ["--enable-prefix-caching"]}}}, namespace=namespace,
+            patch_type=PatchType.MERGE)
+    rolled = watch_until(cluster, StatefulSet, f"{name}-prefill",
+                         lambda s: s.status.updateRevision != before.status.updateRevision,
+                         namespace=namespace, timeout=60, what="a new revision")
+    assert any("--enable-prefix-caching" in line for line in
+               c.get(ConfigMap, f"{name}-launch", namespace=namespace).data["prefill.sh"].splitlines())
+    assert rolled.spec.replicas == 3
+    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready after the roll")
+
+
+def test_hand_edited_children_are_put_back(cluster, operator, namespace):
+    name = create(cluster, namespace, small("edited"))
+    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
+    c = cluster.client
+    c.patch(StatefulSet, f"{name}-decode", {"spec": {"replicas": 4}}, namespace=namespace,
+            patch_type=PatchType.MERGE, field_manager="kubectl-edit")
+    watch_until(cluster, StatefulSet, f"{name}-decode", lambda s: s.spec.replicas == 1, namespace=namespace,
+                timeout=30, what="replicas put back to 1")
+    svc = c.get(Service, f"{name}-router", namespace=namespace)
+    port = svc.spec.ports[0].port
+    c.patch(Service, f"{name}-router", {"spec": {"ports": [{"name": "http", "port": port + 1, "targetPort": 8000}]}},
+            namespace=namespace, patch_type=PatchType.MERGE, field_manager="kubectl-edit")
+    watch_until(cluster, Service, f"{name}-router", lambda s: [p.port for p in s.spec.ports] == [port],
+                namespace=namespace, timeout=30, what="router port put back")
+    c.delete(ConfigMap, f"{name}-launch", namespace=namespace)
+    watch_until(cluster, ConfigMap, f"{name}-launch", lambda cm: cm.metadata.deletionTimestamp is None,
+                namespace=namespace, timeout=30, what="launch ConfigMap recreated")
+
+
+def test_noop_resync_writes_nothing(cluster, operator, namespace):
+    name = create(cluster, namespace, small("steady"))
+    watch_until(cluster, Dinf, name, lambda d: is_ready(d) and cond(d, "Progressing")["status"] == "False",
+                namespace=namespace, timeout=60, what="settled")
+    # Let the status pass that follows the last child event land before taking the snapshot.
+    operator.await_quiet()
+    before = children(cluster, namespace, name)
+    cr_rv = cluster.client.get(Dinf, name, namespace=namespace).metadata.resourceVersion
+    resyncs = operator.metric("disagg_operator_reconciles_total", trigger="resync", result="ok")
+    operator.await_metric("disagg_operator_reconciles_total", resyncs + 2, trigger="resync", result="ok")
+    assert children(cluster, namespace, name) == before
+    assert cluster.client.get(Dinf, name, namespace=namespace).metadata.resourceVersion == cr_rv
+
+
+def test_events_name_what_was_created(cluster, operator, namespace):
+    name = create(cluster, namespace, small("events"))
+    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
+    events = [e for e in cluster.client.list(Event, namespace=namespace, fields={"involvedObject.name": name})]
+    created = [e for e in events if e.reason == "Created"]
+    assert created and "StatefulSet/events-prefill" in " ".join(e.message for e in created)
+
+
+def test_engine_preflight_failure_becomes_degraded(cluster, operator, namespace):
+    """kwok runs no containers, so the failed container state is written into the pod status by the test:
+    a FAKE of the one thing this machine cannot produce (an engine pod on a node without EFA userspace)."""
+    name = create(cluster, namespace, small("noefa"))
+    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
+    pod = f"{name}-prefill-0"
+    reason = "preflight: EFA requested but the libfabric efa provider is missing (fi_info -p efa failed)"
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    cluster.client.patch(Pod.Status, pod, {"status": {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now},
+                       {"type": "ContainersReady", "status": "False", "lastTransitionTime": now}],
+        "containerStatuses": [{"name": "engine", "image": "x", "imageID": "", "ready": False, "restartCount": 1,
+                               "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                               "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": reason,
+                                                            "startedAt": now, "finishedAt": now}}}]}},
+        namespace=namespace, patch_type=PatchType.STRATEGIC)
+    dinf = watch_until(cluster, Dinf, name, lambda d: (cond(d, "Degraded") or {}).get("status") == "True",
+                       namespace=namespace, timeout=30, what="Degraded")
+    assert reason in cond(dinf, "Degraded")["message"] and pod in cond(dinf, "Degraded")["message"]
+    assert cond(dinf, "Ready")["status"] == "False"
+
+
+def test_deleting_the_cr_deletes_every_child(cluster, operator, namespace):
+    name = create(cluster, namespace, small("gone"))
+    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
+    cluster.client.delete(Dinf, name, namespace=namespace)
+    for kind, child in sorted(expected(name)):
+        res = {k.__name__: k for k in CHILD_KINDS}[kind]
+        watch_until(cluster, res, child, lambda o: False, namespace=namespace, timeout=60, what="deleted",
+                    gone_ok=True)
+    assert children(cluster, namespace, name) == {}
+
+
+def test_killed_mid_reconcile_converges_without_duplicates(cluster, operator, namespace):
+    name = create(cluster, namespace, small("crash"))
+    # Kill the operator as soon as the first child exists: the pass is in flight.
+    watch_until(cluster, ConfigMap, f"{name}-launch", lambda cm: True, namespace=namespace, timeout=30)
+    operator.kill()
+    partial = children(cluster, namespace, name)
+    operator.start()
+    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready after restart")
+    assert children(cluster, namespace, name).keys() == expected(name)
+    assert len(partial) <= len(expected(name))
+    pods = cluster.client.list(Pod, namespace=namespace, labels={"app.kubernetes.io/instance": name})
+    assert sorted(p.metadata.name for p in pods if p.metadata.labels.get("serving.disagg.io/role")) == \
+        [f"{name}-decode-0", f"{name}-prefill-0"]
