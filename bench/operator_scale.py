@@ -33,7 +33,7 @@ from lightkube.resources.core_v1 import ConfigMap, Namespace, Service
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 
 from disagg.devcluster import build
-from disagg.devcluster.cluster import ClusterConfig, LocalCluster, free_port
+from disagg.devcluster.cluster import ClusterConfig, LocalCluster, die_with_parent, free_port
 from disagg.devcluster.fleet import FleetSpec
 from disagg.operator import api, crdgen
 
@@ -86,13 +86,29 @@ async def observe(kubeconfig: Path, created: dict[tuple[str, str], float], n: in
                     done.set()
 
     tasks = [asyncio.create_task(watch_children(k)) for k in CHILD_KINDS] + [asyncio.create_task(watch_crs())]
+    waiter = asyncio.create_task(done.wait())
     try:
-        await asyncio.wait_for(done.wait(), timeout)
+        finished, _ = await asyncio.wait([waiter, *tasks], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in finished:
+            failed = [t for t in finished if t.exception()]
+            raise RuntimeError(f"observation ended early: {failed[0].exception()!r}" if failed else
+                               f"not all {n} CRs Ready within {timeout}s ({len(ready)} were)")
     finally:
+        waiter.cancel()
         for t in tasks:
             t.cancel()
         await client.close()
     return complete, ready
+
+
+def snapshot(client: Client) -> dict[tuple[str, str, str], str]:
+    """resourceVersion of every CR and every child, by (kind, namespace, name)."""
+    out = {}
+    for kind in (Dinf, *CHILD_KINDS):
+        for obj in client.list(kind, namespace="*"):
+            if kind is Dinf or (obj.metadata.labels or {}).get("app.kubernetes.io/managed-by") == "disagg-operator":
+                out[(kind.__name__, obj.metadata.namespace, obj.metadata.name)] = obj.metadata.resourceVersion
+    return out
 
 
 def proc_usage(pid: int) -> tuple[float, int]:
@@ -149,7 +165,8 @@ def main() -> None:
             [str(Path(sys.executable).parent / "disagg"), "operator", "--metrics-port", str(metrics_port),
              "--liveness", f"http://127.0.0.1:{health}/healthz", "--resync-seconds", str(args.resync_seconds)],
             env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig_for("disagg-operator"))},
-            stdout=op_log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=op_log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent)
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -181,10 +198,14 @@ def main() -> None:
         burst = audit_counts(cluster.audit_log, "disagg-operator")
         burst_total = sum(burst.values()) - startup_requests
 
-        # One idle resync window: requests made, and writes (anything but get/list/watch) — expected zero.
+        # One idle resync window: the requests it makes, and the objects it changes (expected: none). A no-op
+        # server-side apply is a PATCH request but not a write, so changes are counted by resourceVersion.
+        before = snapshot(client)
         idle_from = time.time()
         time.sleep(args.resync_seconds + 5)
         idle = audit_counts(cluster.audit_log, "disagg-operator", since=idle_from)
+        after = snapshot(client)
+        changed = sorted(k for k in before if after.get(k) != before[k])
         to_children = [complete[k] - created[k] for k in created if k in complete]
         to_ready = [ready[k] - created[k] for k in created if k in ready]
         result = {
@@ -202,7 +223,8 @@ def main() -> None:
             "operator_peak_rss_mib": rss,
             "idle_resync_window_seconds": args.resync_seconds + 5,
             "idle_requests": sum(idle.values()),
-            "idle_writes": sum(v for k, v in idle.items() if k not in ("get", "list", "watch")),
+            "idle_objects_changed": len(changed),
+            "idle_objects_watched": len(before),
             "idle_requests_by_verb": dict(idle),
         }
         RESULTS.mkdir(exist_ok=True)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import build
-from .cluster import ClusterConfig, LocalCluster, free_port
+from .cluster import ClusterConfig, LocalCluster, die_with_parent, free_port
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "qwen3-32b-p5en.yaml"
 
@@ -59,7 +59,7 @@ def run(keep: bool = False) -> None:
             [str(Path(sys.executable).parent / "disagg"), "operator", "--metrics-port", str(free_port()),
              "--liveness", f"http://127.0.0.1:{health}/healthz"],
             env={**os.environ, "KUBECONFIG": str(c.kubeconfig)}, stdout=log.open("ab"), stderr=subprocess.STDOUT,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=die_with_parent)
         print(f"    operator log: {log}", flush=True)
 
         _say(f"applying {EXAMPLE.relative_to(EXAMPLE.parents[2])}: Qwen3-32B, 1 prefill + 1 decode at TP4, push")

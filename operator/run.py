@@ -5,6 +5,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peering", default=os.environ.get("DISAGG_PEERING"),
                       help="kopf peering name: replicas sharing it elect one active operator "
                            "(needs the kopf.dev peering CRDs); default: standalone")
+    p.add_argument("--priority", type=int, default=None,
+                   help="kopf peering priority; default: random, so the replica with the highest acts and the "
+                        "others stand by")
     p.add_argument("--operator-image", default=os.environ.get("DISAGG_OPERATOR_IMAGE"),
                    help="image for the router, rendezvous and plugin init container")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DISAGG_METRICS_PORT", "8080")),
@@ -62,8 +66,33 @@ def main(args: argparse.Namespace) -> None:
         memo.resync.cancel()
         await memo.reconciler.client.close()
 
+    priority = args.priority
+    if args.peering:
+        priority = priority if priority is not None else random.randint(1, 1_000_000)
+        ensure_peering_objects(args.peering, args.namespace)
+        logging.getLogger("disagg.operator").info("peering %r with priority %d", args.peering, priority)
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace, namespaces=args.namespace,
-        standalone=args.peering is None, peering_name=args.peering,
+        standalone=args.peering is None, peering_name=args.peering, priority=priority,
         liveness_endpoint=args.liveness or None, memo=kopf.Memo(),
     ))
+
+
+def ensure_peering_objects(name: str, namespaces: list[str]) -> None:
+    """kopf needs the peering object to exist before replicas can find each other."""
+    from lightkube import Client, KubeConfig, codecs
+    from lightkube.core.exceptions import ApiError
+    from lightkube.generic_resource import create_global_resource, create_namespaced_resource
+
+    from . import peering
+
+    create_global_resource(peering.GROUP, peering.VERSION, "ClusterKopfPeering", "clusterkopfpeerings")
+    create_namespaced_resource(peering.GROUP, peering.VERSION, "KopfPeering", "kopfpeerings")
+    client = Client(KubeConfig.from_env())
+    for ns in namespaces or [None]:
+        try:
+            client.create(codecs.from_dict(peering.peering_object(name, ns)))
+        except ApiError as e:
+            if e.status.code != 409:
+                raise SystemExit(f"cannot create the kopf peering object {name!r}: {e.status.message} "
+                                 "(are the kopf.dev peering CRDs installed? see crds/)")

@@ -6,21 +6,18 @@ from pathlib import Path
 
 import pytest
 import yaml
-from lightkube import codecs
-from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
 from lightkube.resources.core_v1 import ConfigMap, Event, Node, Pod, Service
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import PatchType
 
+from support.dinf import Dinf, cond, create, is_ready, small
 from support.kube import watch_until
 from support.operator import OperatorProcess
 
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
-Dinf = create_namespaced_resource("serving.disagg.io", "v1alpha1", "DisaggregatedInference",
-                                  "disaggregatedinferences")
 CHILD_KINDS = (StatefulSet, Deployment, Service, ConfigMap, PodDisruptionBudget)
 
 
@@ -32,31 +29,8 @@ def operator(cluster, crd_installed, tmp_path_factory):
     op.stop()
 
 
-def cond(obj, ctype: str) -> dict | None:
-    return next((c for c in (obj.status or {}).get("conditions", []) if c["type"] == ctype), None)
-
-
-def is_ready(dinf) -> bool:
-    c = cond(dinf, "Ready")
-    return c is not None and c["status"] == "True" and \
-        dinf.status.get("observedGeneration") == dinf.metadata.generation
-
-
-def create(cluster, namespace: str, manifest: dict) -> str:
-    manifest = {**manifest, "metadata": {**manifest["metadata"], "namespace": namespace}}
-    cluster.client.create(codecs.from_dict(manifest))
-    return manifest["metadata"]["name"]
-
-
 def example(name: str) -> dict:
     return yaml.safe_load((REPO / "manifests" / "examples" / name).read_text())
-
-
-def small(name: str, **spec) -> dict:
-    base = {"model": {"name": "tiny/llama"}, "accelerator": {"profile": "nvidia-h200"},
-            "prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}}
-    return {"apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference",
-            "metadata": {"name": name}, "spec": {**base, **spec}}
 
 
 def children(cluster, namespace: str, name: str) -> dict[tuple[str, str], str]:

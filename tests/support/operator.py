@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from disagg.devcluster.cluster import die_with_parent
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -33,7 +35,8 @@ class OperatorProcess:
                "--resync-seconds", str(self.resync), *self.extra]
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), **self.env}
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -87,3 +90,11 @@ class OperatorProcess:
         """Wait for one full resync pass, after which no earlier trigger is still in flight."""
         n = self.metric("disagg_operator_reconciles_total", trigger="resync", result="ok")
         self.await_metric("disagg_operator_reconciles_total", n + 1, trigger="resync", result="ok")
+
+    def await_log(self, text: str, timeout: float = 60) -> None:
+        """The operator's log is a file another process writes: poll it for a line."""
+        deadline = time.monotonic() + timeout
+        while text not in (self.log.read_text(errors="replace") if self.log.exists() else ""):
+            if time.monotonic() > deadline or (self.proc and self.proc.poll() is not None):
+                raise TimeoutError(f"{text!r} not in the operator log after {timeout}s:\n{self.tail()}")
+            time.sleep(0.2)

@@ -57,6 +57,18 @@ def test_chart_crd_is_byte_identical_to_crds():
         f"{CHART_CRD_PATH.relative_to(ROOT)} differs from {CRD_PATH.relative_to(ROOT)}; {crdgen.REGENERATE}"
 
 
+@pytest.mark.parametrize("filename", sorted(crdgen.files()))
+def test_every_generated_file_is_committed_in_both_places(filename):
+    text = crdgen.files()[filename]
+    for folder in (CRD_PATH.parent, CHART_CRD_PATH.parent):
+        path = folder / filename
+        assert path.exists() and path.read_text() == text, \
+            f"{path.relative_to(ROOT)} is missing or stale; {crdgen.REGENERATE}"
+    generated = set(crdgen.files()) | {"README.md"}
+    assert {p.name for p in CRD_PATH.parent.iterdir()} == generated, "crds/ holds a file nobody generates"
+    assert {p.name for p in CHART_CRD_PATH.parent.iterdir()} == generated - {"README.md"}
+
+
 def test_check_mode_reports_a_stale_file_and_how_to_regenerate(tmp_path):
     (tmp_path / crdgen.CRD_FILENAME).write_text("stale\n")
     with pytest.raises(SystemExit) as stale:
