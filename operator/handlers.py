@@ -79,7 +79,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
                    pod_problem_index: kopf.Index, logger) -> None:
     reconciler: Reconciler = memo.reconciler
 
-    async def one_pass() -> None:
+    async def one_pass(full: bool) -> None:
         store = dinf_index.get((namespace, name))
         body = next(iter(store), None) if store else None
         if body is None or body["metadata"].get("deletionTimestamp"):
@@ -113,7 +113,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         metrics.RECONCILES.labels(trigger=trigger, result="ok").inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - t0)
 
-    await reconciler.coalescer.run((namespace, name), one_pass)
+    await reconciler.coalescer.run((namespace, name), full, one_pass)
 
 
 def _first_error(e: ValidationError) -> str:

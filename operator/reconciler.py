@@ -51,25 +51,27 @@ def child_marker(obj: Mapping[str, Any]) -> str:
 
 
 class Coalescer:
-    """At most one run per key; a trigger during a run schedules exactly one more run."""
+    """At most one pass per key at a time. Triggers that arrive during a pass collapse into one more pass, at
+    the strongest level asked for: a full pass if any trigger wanted one, else a status pass."""
 
     def __init__(self) -> None:
         self._running: set[Key] = set()
-        self._again: set[Key] = set()
+        self._again: dict[Key, bool] = {}
 
-    async def run(self, key: Key, fn: Callable[[], Awaitable[None]]) -> None:
+    async def run(self, key: Key, full: bool, fn: Callable[[bool], Awaitable[None]]) -> None:
         if key in self._running:
-            self._again.add(key)
+            self._again[key] = self._again.get(key, False) or full
             return
         self._running.add(key)
         try:
             while True:
-                self._again.discard(key)
-                await fn()
+                await fn(full)
                 if key not in self._again:
                     return
+                full = self._again.pop(key)
         finally:
             self._running.discard(key)
+            self._again.pop(key, None)
 
 
 class Reconciler:

@@ -64,9 +64,15 @@ def test_every_generated_file_is_committed_in_both_places(filename):
         path = folder / filename
         assert path.exists() and path.read_text() == text, \
             f"{path.relative_to(ROOT)} is missing or stale; {crdgen.REGENERATE}"
-    generated = set(crdgen.files()) | {"README.md"}
+    generated = set(crdgen.files()) | {"README.md", "kustomization.yaml"}
     assert {p.name for p in CRD_PATH.parent.iterdir()} == generated, "crds/ holds a file nobody generates"
-    assert {p.name for p in CHART_CRD_PATH.parent.iterdir()} == generated - {"README.md"}
+    assert {p.name for p in CHART_CRD_PATH.parent.iterdir()} == generated - {"README.md", "kustomization.yaml"}
+
+
+def test_crds_kustomization_lists_every_generated_file():
+    """manifests/install includes ../../crds through this kustomization; a CRD missing from it would not install."""
+    kustomization = yaml.safe_load((CRD_PATH.parent / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(crdgen.files())
 
 
 def test_check_mode_reports_a_stale_file_and_how_to_regenerate(tmp_path):

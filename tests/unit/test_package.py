@@ -9,6 +9,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def test_operator_folder_can_never_shadow_the_stdlib():
+    """With no __init__.py, operator/ is at most a namespace portion, which always loses to the stdlib module,
+    even with the checkout first on sys.path and nothing imported yet (python -S from the repository root)."""
+    assert not (REPO / "operator" / "__init__.py").exists()
+    out = subprocess.run([sys.executable, "-S", "-c", "import operator; print(operator.__file__)"],
+                         capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+    assert out.endswith("operator.py") and not out.startswith(str(REPO))
+
+
 def test_stdlib_operator_is_not_shadowed():
     """Even run from the repository root (cwd first on sys.path), `operator` is the stdlib module."""
     assert operator.itemgetter(1)([0, 7]) == 7

@@ -1,3 +1,0 @@
-"""disagg: disaggregated vLLM serving on Kubernetes."""
-
-__version__ = "0.1.0"
