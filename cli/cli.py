@@ -43,6 +43,33 @@ def _operator(args: argparse.Namespace) -> None:
     run.main(args)
 
 
+def _rendezvous(args: argparse.Namespace) -> None:
+    from disagg.connector import rendezvous
+
+    rendezvous.main(args)
+
+
+def _rendezvous_arguments(p: argparse.ArgumentParser) -> None:
+    # Defined here, not in connector/rendezvous.py, so building the parser never imports aiohttp.
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
+    p.add_argument("--heartbeat-seconds", type=float, default=5.0,
+                   help="engines renew this often; watch streams send a BOOKMARK at least this often (default 5)")
+    p.add_argument("--auth", choices=("kubernetes", "token", "none"), default="kubernetes",
+                   help="what writes need: a pod-bound ServiceAccount token checked with a TokenReview (default), "
+                        "a shared token, or nothing (explicit opt-in, for benchmarks)")
+    p.add_argument("--token", default=None, help="shared token for --auth token (default $DISAGG_RENDEZVOUS_TOKEN)")
+    p.add_argument("--deployment", default=None,
+                   help="the DisaggregatedInference served (default $DISAGG_DEPLOYMENT); only its engines may write")
+    p.add_argument("--namespace", default=None,
+                   help="namespace of the engine pods (default $POD_NAMESPACE, else the in-cluster namespace)")
+    p.add_argument("--audience", default=None,
+                   help="audience the engines' tokens must carry in --auth kubernetes (default "
+                        "$DISAGG_RENDEZVOUS_AUDIENCE or disagg-rendezvous; '' accepts the API server's audience)")
+    p.add_argument("--kubeconfig", default=None, help="for TokenReviews (default: in-cluster, else $KUBECONFIG)")
+    p.add_argument("--log-level", default="INFO")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disagg", description="Disaggregated vLLM serving on Kubernetes.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -65,6 +92,10 @@ def parser() -> argparse.ArgumentParser:
     o = sub.add_parser("operator", help="run the operator (kopf) against the current kubeconfig or in-cluster")
     operator_run.add_arguments(o)
     o.set_defaults(func=_operator)
+
+    z = sub.add_parser("rendezvous", help="the registry where engines advertise themselves and routers watch them")
+    _rendezvous_arguments(z)
+    z.set_defaults(func=_rendezvous)
 
     r = sub.add_parser("render", help="print every object the operator would create for a CR (no cluster)")
     r.add_argument("-f", "--file", required=True, help="DisaggregatedInference YAML file, or - for stdin")
