@@ -128,6 +128,11 @@ def _dedupe(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(out.values())
 
 
+def rendezvous_token_env(cr: str) -> dict[str, Any]:
+    return {"name": "DISAGG_RENDEZVOUS_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": names.rendezvous_token_secret(cr), "key": names.RENDEZVOUS_TOKEN_KEY}}}
+
+
 def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any]]:
     spec, name = cr.spec, cr_name(cr)
     role = role_spec(spec, role_name)
@@ -145,6 +150,7 @@ def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any
         _env("DISAGG_DEPLOYMENT", name),
         _env("DISAGG_LAYOUT_KEY", names.layout_key(spec)),
         _env("DISAGG_RENDEZVOUS_URL", names.rendezvous_url(name, namespace_of(cr))),
+        rendezvous_token_env(name),
         _env("DISAGG_HEARTBEAT_SECONDS", spec.rendezvous.heartbeat_seconds),
         _env("DISAGG_KV_MODE", spec.kv_transfer.mode),
         _env("DISAGG_LEASE_SECONDS", spec.kv_transfer.lease_seconds),

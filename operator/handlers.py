@@ -93,7 +93,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
             raise kopf.PermanentError(f"invalid spec: {_first_error(e)}")
         try:
             if full:
-                outcome = await reconciler.apply_children(cr)
+                outcome = await reconciler.apply_children(cr, thorough=trigger == "resync")
                 for ref in outcome.created:
                     metrics.CHILD_WRITES.labels(kind=ref.split("/")[0], change="created").inc()
                 for ref in outcome.updated:

@@ -39,6 +39,14 @@ def rendezvous_name(cr: str) -> str:
     return f"{cr}-{RENDEZVOUS}"
 
 
+def rendezvous_token_secret(cr: str) -> str:
+    """Secret with the shared token engines present to the rendezvous for writes (key `token`)."""
+    return f"{cr}-rendezvous-token"
+
+
+RENDEZVOUS_TOKEN_KEY = "token"
+
+
 def launch_configmap_name(cr: str) -> str:
     return f"{cr}-launch"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping
@@ -19,10 +20,13 @@ from typing import Any, Awaitable, Callable, Mapping
 from lightkube import AsyncClient, codecs
 from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_namespaced_resource
+from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 
-from . import api, metrics
+from . import api, metrics, names
 from .builders import OperatorImages, build_children, endpoint_url
+from .meta import cr_name as meta_name
+from .meta import object_meta
 from .status import Observed, compute_status
 
 FIELD_MANAGER = "disagg-operator"
@@ -82,10 +86,13 @@ class Reconciler:
         self.coalescer = Coalescer()
         # What our last apply of each child produced: a later event with the same marker is our own echo.
         self.applied: dict[ChildKey, str] = {}
+        self._token_secrets: set[str] = set()  # CR uids whose token Secret is known to exist
 
     # -- children ----------------------------------------------------------------------------------------
-    async def apply_children(self, cr: api.DisaggregatedInference) -> ApplyOutcome:
+    async def apply_children(self, cr: api.DisaggregatedInference, thorough: bool = False) -> ApplyOutcome:
         outcome = ApplyOutcome()
+        if await self.ensure_token_secret(cr, verify=thorough):
+            outcome.created.append(f"Secret/{names.rendezvous_token_secret(meta_name(cr))}")
         for obj in build_children(cr, images=self.images):
             kind, ns, name = obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
             key = (kind, ns, name)
@@ -109,6 +116,27 @@ class Reconciler:
             else:
                 outcome.unchanged += 1
         return outcome
+
+    async def ensure_token_secret(self, cr: api.DisaggregatedInference, verify: bool) -> bool:
+        """Create the rendezvous token Secret once. Not server-side applied: its value is random and must
+        survive every later pass, so only its absence is repaired (checked on the first pass for a CR and on
+        every resync, so ordinary passes cost no request). Returns whether it was created."""
+        uid = cr.metadata.get("uid", "")
+        if uid in self._token_secrets and not verify:
+            return False
+        meta = object_meta(cr, names.rendezvous_token_secret(meta_name(cr)), names.RENDEZVOUS)
+        secret = Secret(metadata=codecs.from_dict({"apiVersion": "v1", "kind": "Secret", "metadata": meta}).metadata,
+                        type="Opaque", stringData={names.RENDEZVOUS_TOKEN_KEY: secrets.token_urlsafe(32)})
+        try:
+            await self.client.create(secret)
+        except ApiError as e:
+            if e.status.code != 409:
+                metrics.API_ERRORS.labels(kind="Secret", verb="create").inc()
+                raise ApplyFailed(f"creating Secret {meta['name']}: {e.status.message}", e.status.code) from e
+            self._token_secrets.add(uid)
+            return False
+        self._token_secrets.add(uid)
+        return True
 
     async def _apply(self, obj: dict[str, Any]):
         resource = codecs.from_dict(obj)

@@ -5,6 +5,7 @@ from typing import Any
 
 from . import names
 from .api import DisaggregatedInference
+from .engine_builders import rendezvous_token_env
 from .meta import OperatorImages, cr_name, http_probe, namespace_of, object_meta
 
 
@@ -15,11 +16,13 @@ def endpoint_url(cr: DisaggregatedInference) -> str:
 
 
 def _deployment(cr: DisaggregatedInference, component: str, name: str, replicas: int, command: list[str],
-                port: int, image: str, strategy: dict[str, Any]) -> dict[str, Any]:
+                port: int, image: str, strategy: dict[str, Any],
+                env: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     container = {
         "name": component,
         "image": image,
         "command": command,
+        **({"env": env} if env else {}),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
         "readinessProbe": http_probe("/health", "http", period=5, failures=3, timeout=2),
@@ -54,11 +57,15 @@ def _service(cr: DisaggregatedInference, component: str, name: str, service_type
 
 def rendezvous_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dict[str, Any]:
     name = cr_name(cr)
+    # Writes are authenticated with a per-deployment shared token from a Secret the operator creates once.
+    # (Pod-bound ServiceAccount tokens with TokenReview, `--auth kubernetes`, also need a cluster-scoped
+    # auth-delegator binding per deployment; not wired yet.)
     command = ["disagg", "rendezvous", "--port", str(names.RENDEZVOUS_PORT),
-               "--heartbeat-seconds", str(cr.spec.rendezvous.heartbeat_seconds)]
+               "--heartbeat-seconds", str(cr.spec.rendezvous.heartbeat_seconds), "--auth", "token",
+               "--deployment", name]
     # Recreate: the registry is in memory, and two pods behind one Service would each see half the heartbeats.
     return _deployment(cr, names.RENDEZVOUS, names.rendezvous_name(name), 1, command, names.RENDEZVOUS_PORT,
-                       images.operator, {"type": "Recreate"})
+                       images.operator, {"type": "Recreate"}, env=[rendezvous_token_env(name)])
 
 
 def rendezvous_service(cr: DisaggregatedInference) -> dict[str, Any]:

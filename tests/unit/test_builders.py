@@ -454,7 +454,12 @@ def test_router_and_rendezvous():
     rdv = child(children, "Deployment", "qwen-rendezvous")
     assert rdv["spec"]["replicas"] == 1 and rdv["spec"]["strategy"] == {"type": "Recreate"}
     [c] = rdv["spec"]["template"]["spec"]["containers"]
-    assert c["command"] == ["disagg", "rendezvous", "--port", "8080", "--heartbeat-seconds", "7"]
+    assert c["command"] == ["disagg", "rendezvous", "--port", "8080", "--heartbeat-seconds", "7", "--auth", "token",
+                            "--deployment", "qwen"]
+    token_ref = {"name": "DISAGG_RENDEZVOUS_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": "qwen-rendezvous-token", "key": "token"}}}
+    assert c["env"] == [token_ref]
+    assert token_ref in engine(children, "decode")["env"], "engines present the same token for their writes"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     svc = child(children, "Service", "qwen-rendezvous")["spec"]
     assert svc["type"] == "ClusterIP" and svc["ports"][0]["port"] == 8080
