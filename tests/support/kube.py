@@ -62,3 +62,27 @@ def pod_ready(pod) -> bool:
 def pod_unschedulable(pod) -> bool:
     c = condition(pod, "PodScheduled")
     return c is not None and c.status == "False" and c.reason == "Unschedulable"
+
+
+async def _watch_list_until(kubeconfig: Path, res: type[T], predicate: Callable[[T], bool], namespace: str | None,
+                            fields: dict[str, str] | None, timeout: float, what: str) -> T:
+    client = AsyncClient(KubeConfig.from_file(kubeconfig))
+    seen: list[T] = []
+    try:
+        async with asyncio.timeout(timeout):
+            async for _op, obj in client.watch(res, namespace=namespace, fields=fields):
+                seen.append(obj)  # the watch starts with the existing objects (ADDED), then follows changes
+                if predicate(obj):
+                    return obj
+    except TimeoutError:
+        raise TimeoutError(f"no {res.__name__} in {namespace}: {what} in {timeout}s; saw: {seen[-5:]}")
+    finally:
+        await client.close()
+    raise AssertionError("watch ended")
+
+
+def watch_list_until(cluster, res: type[T], predicate: Callable[[T], bool], *, namespace: str | None = None,
+                     fields: dict[str, str] | None = None, timeout: float = 60, what: str = "condition") -> T:
+    """Return the first object of a kind (existing or new) for which `predicate` holds: for objects whose name is
+    not known in advance, such as Events."""
+    return asyncio.run(_watch_list_until(cluster.kubeconfig, res, predicate, namespace, fields, timeout, what))

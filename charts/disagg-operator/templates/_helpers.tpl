@@ -1,0 +1,161 @@
+{{- define "disagg-operator.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "disagg-operator.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "disagg-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "disagg-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "disagg-operator.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "disagg-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: disagg
+{{- end }}
+
+{{- define "disagg-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "disagg-operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name: required when serviceAccount.create is false (name an existing ServiceAccount)" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* An image reference from {repository, tag, digest}; the tag defaults to the chart's appVersion. */}}
+{{- define "disagg-operator.imageRef" -}}
+{{- $img := index . 0 }}{{- $root := index . 1 }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $img.repository $img.digest }}
+{{- else }}
+{{- printf "%s:%s" $img.repository (default $root.Chart.AppVersion $img.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "disagg-operator.operatorImage" -}}
+{{- include "disagg-operator.imageRef" (list .Values.image.operator .) }}
+{{- end }}
+
+{{/* The image of one child component: its own values, or the operator image when its repository is empty. */}}
+{{- define "disagg-operator.componentImage" -}}
+{{- $img := index . 0 }}{{- $root := index . 1 }}
+{{- if $img.repository }}
+{{- include "disagg-operator.imageRef" (list $img $root) }}
+{{- else }}
+{{- include "disagg-operator.operatorImage" $root }}
+{{- end }}
+{{- end }}
+
+{{/* The one image the operator gives its router, rendezvous and plugin init container (--operator-image).
+The operator takes a single image for the three, so values that resolve to different images are an error,
+never silently ignored. */}}
+{{- define "disagg-operator.childImage" -}}
+{{- $router := include "disagg-operator.componentImage" (list .Values.image.router .) }}
+{{- $rendezvous := include "disagg-operator.componentImage" (list .Values.image.rendezvous .) }}
+{{- $plugin := include "disagg-operator.componentImage" (list .Values.image.pluginInit .) }}
+{{- if or (ne $router $rendezvous) (ne $router $plugin) }}
+{{- fail (printf "image.router (%s), image.rendezvous (%s) and image.pluginInit (%s) must resolve to the same image: the operator runs all three from one image (--operator-image). Leave their repository empty to use image.operator, or set all three alike." $router $rendezvous $plugin) }}
+{{- end }}
+{{- $router }}
+{{- end }}
+
+{{- define "disagg-operator.peering" -}}
+{{- if or .Values.peering.enabled (gt (int .Values.replicaCount) 1) }}true{{ end }}
+{{- end }}
+
+{{- define "disagg-operator.peeringName" -}}
+{{- default .Release.Name .Values.peering.name }}
+{{- end }}
+
+{{/*
+The rules the operator needs in every namespace it serves. Each one is used by operator/ or by kopf; nothing
+here deletes (owner references let the garbage collector remove children) and nothing reads Secrets.
+*/}}
+{{- define "disagg-operator.namespacedRules" -}}
+# DisaggregatedInference: kopf lists and watches it and patches its annotations (kopf's progress and diff-base
+# storage); the reconciler reads one before recreating a deleted child (get).
+- apiGroups: ["serving.disagg.io"]
+  resources: ["disaggregatedinferences"]
+  verbs: ["get", "list", "watch", "patch"]
+# The reconciler publishes conditions, counts and the endpoint through the status subresource.
+- apiGroups: ["serving.disagg.io"]
+  resources: ["disaggregatedinferences/status"]
+  verbs: ["patch"]
+# Children carry an owner reference with blockOwnerDeletion; clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin require update on the owner's finalizers for that.
+- apiGroups: ["serving.disagg.io"]
+  resources: ["disaggregatedinferences/finalizers"]
+  verbs: ["update"]
+# Children: server-side apply (patch, and create when the child does not exist yet); kopf indexes and watches
+# them (list, watch) to publish status and to put back hand edits and deletions.
+- apiGroups: ["apps"]
+  resources: ["statefulsets", "deployments"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["list", "watch", "create", "patch"]
+# The rendezvous token Secret, created once per DisaggregatedInference (operator/reconciler.py). Create only:
+# the operator never reads, lists or updates Secrets; pods receive the token through secretKeyRef.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+# Engine pods: watched for failed preflight checks and restarts (Degraded condition). Never written.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
+# Events on the DisaggregatedInference (Created, Updated, ApplyFailed, InvalidSpec). kopf only posts them.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- if and (include "disagg-operator.peering" .) .Values.watchNamespaces }}
+# kopf peering per watched namespace: the operator creates its KopfPeering; kopf watches it and patches its
+# own liveness record into it.
+- apiGroups: ["kopf.dev"]
+  resources: ["kopfpeerings"]
+  verbs: ["list", "watch", "create", "patch"]
+{{- end }}
+{{- end }}
+
+{{/* Rules with no namespace. */}}
+{{- define "disagg-operator.clusterRules" -}}
+# kopf discovers the served resources at start-up and watches CRDs to notice them being added or changed.
+- apiGroups: ["apiextensions.k8s.io"]
+  resources: ["customresourcedefinitions"]
+  verbs: ["list", "watch"]
+{{- if .Values.watchNamespaces }}
+# With a namespace list, kopf observes namespaces to notice the watched ones being created and deleted.
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- else if include "disagg-operator.peering" . }}
+# kopf peering across the cluster: the operator creates its ClusterKopfPeering; kopf watches it and patches its
+# own liveness record into it.
+- apiGroups: ["kopf.dev"]
+  resources: ["clusterkopfpeerings"]
+  verbs: ["list", "watch", "create", "patch"]
+{{- end }}
+{{- if .Values.rbac.tokenReview }}
+# TokenReview for the rendezvous: `disagg rendezvous --auth kubernetes` checks engine pods' ServiceAccount tokens
+# with it. Nothing in operator/ calls it yet (the rendezvous runs `--auth token`); rbac.tokenReview=false drops it.
+- apiGroups: ["authentication.k8s.io"]
+  resources: ["tokenreviews"]
+  verbs: ["create"]
+{{- end }}
+{{- end }}

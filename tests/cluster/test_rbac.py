@@ -1,0 +1,264 @@
+"""Least privilege, proven: the operator runs outside the cluster as the chart's ServiceAccount (a bearer token
+from the TokenRequest API) with only the RBAC the chart renders, and reconciles the examples. With one permission
+taken away it reports which one, keeps running, and recovers once the permission is back."""
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from lightkube import codecs
+from lightkube.core.exceptions import ApiError
+from lightkube.generic_resource import create_global_resource
+from lightkube.models.authentication_v1 import TokenRequestSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.apps_v1 import Deployment, StatefulSet
+from lightkube.resources.core_v1 import ConfigMap, Event, ServiceAccount
+from lightkube.types import PatchType
+
+from disagg.operator import crdgen
+from support.dinf import Dinf, cond, create, is_ready, small
+from support.kube import watch_list_until, watch_until
+from support.operator import OperatorProcess
+from support.tools import ALL_OPTIONS, REPO, kubectl, rules_of, template
+
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+# What kopf logs when it falls back for lack of a permission, or fails to post an Event.
+PERMISSION_COMPLAINTS = ("Not enough permissions", "Failed to post an event", "forbidden", "Forbidden")
+
+
+def example(name: str) -> dict:
+    return yaml.safe_load((REPO / "manifests" / "examples" / name).read_text())
+
+
+# -- offline: what the rules never grant -------------------------------------------------------------------
+@pytest.mark.parametrize("args", [(), ("--set", "replicaCount=2"), ("--set", "watchNamespaces={a,b}"),
+                                  ("-f", str(ALL_OPTIONS))], ids=["defaults", "peering", "namespaces", "all"])
+def test_rules_never_grant_wildcards_deletion_or_reading_secrets(args):
+    objs = template(*args)
+    rules = rules_of(objs, "ClusterRole") + rules_of(objs, "Role")
+    assert rules
+    for rule in rules:
+        for key in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[key], rule
+        assert set(rule["verbs"]) <= {"get", "list", "watch", "create", "patch", "update"}, rule
+        if "secrets" in rule["resources"]:
+            assert rule["resources"] == ["secrets"] and rule["verbs"] == ["create"], \
+                "the operator creates the rendezvous token Secret and never reads Secrets"
+        if "update" in rule["verbs"]:
+            assert rule["resources"] == ["disaggregatedinferences/finalizers"], rule
+        if "pods" in rule["resources"]:
+            assert rule["verbs"] == ["list", "watch"], "the operator never writes pods"
+
+
+# -- on the cluster ----------------------------------------------------------------------------------------
+def rbac_objects(namespace: str, release: str, *args: str) -> list[dict]:
+    """The chart's ServiceAccount and RBAC for a release in `namespace`, exactly as `helm template` renders them."""
+    return [o for o in template(*args, release=release, namespace=namespace) if o["kind"] in RBAC_KINDS]
+
+
+@pytest.fixture
+def apply_rbac(cluster):
+    """Apply RBAC objects; delete the cluster-scoped ones afterwards (the namespaced go with the namespace)."""
+    applied: list[tuple[type, str]] = []
+
+    def apply(objs: list[dict]) -> None:
+        for o in objs:
+            res = codecs.from_dict(o)
+            cluster.client.apply(res, field_manager="test-rbac", force=True)
+            if o["kind"] in ("ClusterRole", "ClusterRoleBinding"):
+                applied.append((type(res), o["metadata"]["name"]))
+
+    yield apply
+    for res, name in applied:
+        try:
+            cluster.client.delete(res, name)
+        except ApiError as e:
+            if e.status.code != 404:
+                raise
+
+
+def token_kubeconfig(cluster, namespace: str, sa: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as the ServiceAccount with a bound token from the TokenRequest API."""
+    request = ServiceAccount.Token(metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=3600))
+    token = cluster.client.create(request, name=sa, namespace=namespace).status.token
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    server = next(c for c in admin["clusters"] if c["name"] == context["cluster"])
+    user = f"system:serviceaccount:{namespace}:{sa}"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [server], "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": server["name"], "user": user, "namespace": namespace}}],
+    }))
+    path.chmod(0o600)
+    return path
+
+
+def can_i(kubeconfig: Path, *args: str) -> bool:
+    out = kubectl(f"--kubeconfig={kubeconfig}", "auth", "can-i", *args, check=False)
+    assert out.stdout.strip() in ("yes", "no"), out.stderr
+    return out.stdout.strip() == "yes"
+
+
+def complaints(op: OperatorProcess) -> list[str]:
+    return [line for line in op.log.read_text(errors="replace").splitlines()
+            if any(c in line for c in PERMISSION_COMPLAINTS)]
+
+
+def healthy(op: OperatorProcess) -> bool:
+    return urllib.request.urlopen(f"http://127.0.0.1:{op.health_port}/healthz", timeout=5).status == 200
+
+
+def start_as(kubeconfig: Path, log: Path, *extra: str) -> OperatorProcess:
+    return OperatorProcess(kubeconfig, log, resync_seconds=5, extra=list(extra)).start()
+
+
+@pytest.mark.cluster
+def test_examples_reconcile_as_the_charts_service_account(cluster, crd_installed, namespace, apply_rbac, tmp_path):
+    release = f"lp-{namespace}"
+    objs = rbac_objects(namespace, release)
+    assert sorted(o["kind"] for o in objs) == ["ClusterRole", "ClusterRoleBinding", "ServiceAccount"]
+    apply_rbac(objs)
+    sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig = token_kubeconfig(cluster, namespace, sa, tmp_path / "kubeconfig")
+    assert can_i(kubeconfig, "patch", "statefulsets.apps", "-n", namespace)
+    for denied in (("get", "secrets"), ("list", "secrets"), ("delete", "statefulsets.apps"), ("create", "pods"),
+                   ("update", "deployments.apps"), ("delete", "disaggregatedinferences.serving.disagg.io")):
+        assert not can_i(kubeconfig, *denied, "-n", namespace), f"the chart's role must not allow {denied}"
+
+    op = start_as(kubeconfig, tmp_path / "operator.log")
+    try:
+        # One GPU and one Trainium example at once: they use different node types, so both fit the fleet.
+        names = [create(cluster, namespace, example(f)) for f in ("qwen3-32b-p5en.yaml", "llama-trn2.yaml")]
+        for name in names:
+            watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready")
+        created = [e for e in cluster.client.list(Event, namespace=namespace, fields={"involvedObject.name": names[0]})
+                   if e.reason == "Created"]
+        assert created, "the operator posts Events with its own identity"
+
+        # A deleted child is noticed and recreated: the path that reads the CR (get) and creates again.
+        launch = cluster.client.get(ConfigMap, f"{names[0]}-launch", namespace=namespace)
+        cluster.client.delete(ConfigMap, f"{names[0]}-launch", namespace=namespace)
+        watch_until(cluster, ConfigMap, f"{names[0]}-launch", lambda cm: cm.metadata.uid != launch.metadata.uid,
+                    namespace=namespace, timeout=30, what="recreated")
+        # A spec change rolls through: apply of existing children, then status.
+        cluster.client.patch(Dinf, names[0], {"spec": {"decode": {"replicas": 2}}}, namespace=namespace,
+                             patch_type=PatchType.MERGE)
+        watch_until(cluster, Dinf, names[0], lambda d: is_ready(d) and d.status["decode"]["ready"] == 2,
+                    namespace=namespace, timeout=60, what="2 decode engines ready")
+        op.await_quiet()  # at least one full resync pass, under the same identity
+        assert op.metric("disagg_operator_api_errors_total") == 0
+        assert not complaints(op), "\n".join(complaints(op))
+    finally:
+        op.stop()
+
+
+@pytest.mark.cluster
+def test_namespaced_roles_suffice_for_a_namespace_scoped_operator(cluster, crd_installed, namespace, apply_rbac,
+                                                                  tmp_path):
+    release = f"lpns-{namespace}"
+    objs = rbac_objects(namespace, release, "--set", f"watchNamespaces={{{namespace}}}")
+    assert sorted(o["kind"] for o in objs) == ["ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                                               "ServiceAccount"]
+    apply_rbac(objs)
+    sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig = token_kubeconfig(cluster, namespace, sa, tmp_path / "kubeconfig")
+    assert not can_i(kubeconfig, "list", "statefulsets.apps", "--all-namespaces"), "Roles grant one namespace only"
+
+    op = start_as(kubeconfig, tmp_path / "operator.log", "--namespace", namespace)
+    try:
+        name = create(cluster, namespace, example("qwen3-32b-p5en.yaml"))
+        watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready")
+        op.await_quiet()
+        assert not complaints(op), "\n".join(complaints(op))
+    finally:
+        op.stop()
+
+
+@pytest.mark.cluster
+def test_peered_replicas_need_only_the_peering_rules(cluster, crd_installed, namespace, apply_rbac, tmp_path):
+    """replicaCount > 1: the chart adds create/patch/list/watch on clusterkopfpeerings, and that is enough for the
+    operator to create its peering object, keep its liveness record in it, and act."""
+    for doc in yaml.safe_load_all(crdgen.render_peering()):
+        try:
+            cluster.client.create(codecs.from_dict(doc))
+        except ApiError as e:
+            if e.status.code != 409:
+                raise
+    release = f"lppeer-{namespace}"
+    objs = rbac_objects(namespace, release, "--set", "replicaCount=2")
+    apply_rbac(objs)
+    sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig = token_kubeconfig(cluster, namespace, sa, tmp_path / "kubeconfig")
+    peering = create_global_resource("kopf.dev", "v1", "ClusterKopfPeering", "clusterkopfpeerings")
+    op = start_as(kubeconfig, tmp_path / "operator.log", "--peering", release)
+    try:
+        op.await_log("Resuming operations")  # kopf found its peering object and no higher-priority peer
+        name = create(cluster, namespace, small("peered"))
+        watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60, what="Ready")
+        record = cluster.client.get(peering, release)
+        assert record.get("status"), "the operator keeps its liveness record in the peering object"
+        op.await_quiet()
+        assert not complaints(op), "\n".join(complaints(op))
+    finally:
+        op.stop()
+        cluster.client.delete(peering, release)
+
+
+def _without_statefulset_writes(objs: list[dict]) -> list[dict]:
+    """The chart's RBAC with `create` and `patch` on statefulsets taken away (list and watch kept)."""
+    objs = json.loads(json.dumps(objs))
+    role = next(o for o in objs if o["kind"] == "ClusterRole")
+    rules = []
+    for rule in role["rules"]:
+        if "statefulsets" in rule["resources"]:
+            rules.append({**rule, "resources": [r for r in rule["resources"] if r != "statefulsets"]})
+            rules.append({**rule, "resources": ["statefulsets"], "verbs": ["list", "watch"]})
+        else:
+            rules.append(rule)
+    role["rules"] = rules
+    return objs
+
+
+@pytest.mark.cluster
+def test_a_missing_permission_is_reported_and_the_operator_keeps_running(cluster, crd_installed, namespace,
+                                                                         apply_rbac, tmp_path):
+    release = f"lpmiss-{namespace}"
+    full = rbac_objects(namespace, release)
+    apply_rbac(_without_statefulset_writes(full))
+    sa = next(o for o in full if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig = token_kubeconfig(cluster, namespace, sa, tmp_path / "kubeconfig")
+    assert not can_i(kubeconfig, "patch", "statefulsets.apps", "-n", namespace)
+
+    op = start_as(kubeconfig, tmp_path / "operator.log")
+    try:
+        name = create(cluster, namespace, small("denied"))
+        event = watch_list_until(cluster, Event, lambda e: e.reason == "ApplyFailed", namespace=namespace,
+                                 fields={"involvedObject.name": name}, timeout=60, what="an ApplyFailed Event")
+        # The Event names the object, the verb, the resource and the identity that was refused.
+        assert event.type == "Error"
+        for part in (f"applying StatefulSet {namespace}/{name}-", "forbidden",
+                     f'User "system:serviceaccount:{namespace}:{sa}" cannot patch resource "statefulsets" '
+                     f'in API group "apps"'):
+            assert part in event.message, event.message
+        op.await_log('cannot patch resource "statefulsets"')
+        assert any("statefulsets" in line and "forbidden" in line for line in complaints(op)), op.tail()
+        assert op.metric("disagg_operator_api_errors_total", kind="StatefulSet", verb="apply") >= 1
+        # Not a crash loop, not a silent stop: the process lives, answers its liveness probe, and what it may
+        # create it did create (the launch ConfigMap comes before the StatefulSets).
+        assert op.proc.poll() is None and healthy(op)
+        cluster.client.get(ConfigMap, f"{name}-launch", namespace=namespace)
+        assert not list(cluster.client.list(StatefulSet, namespace=namespace))
+        dinf = cluster.client.get(Dinf, name, namespace=namespace)
+        assert cond(dinf, "Ready") is None or cond(dinf, "Ready")["status"] != "True"
+
+        # Grant the permission back: the next resync pass converges without a restart.
+        apply_rbac(full)
+        watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60, what="Ready once allowed")
+        assert op.proc.poll() is None
+        cluster.client.get(Deployment, f"{name}-router", namespace=namespace)
+    finally:
+        op.stop()
