@@ -1,18 +1,19 @@
 # Caches live outside the clone so repeated runs (and CI's fresh clones) reuse them:
 #   $(DISAGG_CACHE)/venv   the Python environment
 #   $(DISAGG_CACHE)/bin    control-plane binaries built from Go modules
+#   $(DISAGG_CACHE)/vllm-venv  real vLLM (CPU) for the engine tests, apart from the operator's environment
 #   Go's own module and build caches (go env GOMODCACHE GOCACHE)
 DISAGG_CACHE ?= $(HOME)/.cache/disagg
 export DISAGG_CACHE
 VENV := $(DISAGG_CACHE)/venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test venv binaries
+.PHONY: demo test venv binaries vllm
 
 demo: venv binaries
 	$(BIN)/disagg demo
 
-test: venv binaries
+test: venv binaries vllm
 	$(BIN)/pytest
 
 # The editable install is redone every time because the venv is shared between clones.
@@ -22,3 +23,6 @@ venv:
 
 binaries: venv
 	$(BIN)/disagg cluster build
+
+vllm: venv
+	$(BIN)/python -m disagg.devcluster.vllm_env

@@ -70,6 +70,12 @@ def _rendezvous_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
+def _router(args: argparse.Namespace) -> None:
+    from disagg.connector import router
+
+    router.main(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disagg", description="Disaggregated vLLM serving on Kubernetes.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -96,6 +102,12 @@ def parser() -> argparse.ArgumentParser:
     z = sub.add_parser("rendezvous", help="the registry where engines advertise themselves and routers watch them")
     _rendezvous_arguments(z)
     z.set_defaults(func=_rendezvous)
+
+    from disagg.connector import router_args
+
+    g = sub.add_parser("router", help="the OpenAI-compatible push/pull-aware router in front of the engines")
+    router_args.add_arguments(g)
+    g.set_defaults(func=_router)
 
     r = sub.add_parser("render", help="print every object the operator would create for a CR (no cluster)")
     r.add_argument("-f", "--file", required=True, help="DisaggregatedInference YAML file, or - for stdin")

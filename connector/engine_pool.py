@@ -1,0 +1,98 @@
+"""Which engines the router may use right now, and how busy each is.
+
+Engines come from the rendezvous (EngineCache) or from a static list. Probes run every second. A dead
+engine (connection refused or reset) leaves rotation at the first failed probe or request, so it is out
+within two seconds; a slow one (probe timeouts) only after `slow_strikes` timeouts in a row, so a busy
+engine on a saturated host is not dropped for being slow. A successful probe brings an engine back.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import aiohttp
+
+from .advertisement import EngineAdvertisement
+from .pd_protocol import compatible
+
+log = logging.getLogger("disagg.router.pool")
+
+
+class EnginePool:
+    def __init__(self, mode: str, source: Callable[[], Iterable[EngineAdvertisement]], *,
+                 probe_interval: float = 1.0, probe_timeout: float = 2.0, slow_strikes: int = 3):
+        self.mode = mode
+        self._source = source
+        self.outstanding: dict[str, int] = defaultdict(int)
+        self.down: set[str] = set()
+        self.timeouts: dict[str, int] = defaultdict(int)
+        self.max_model_len: dict[str, int] = {}  # from each engine's /v1/models, learned by the probes
+        self.probe_interval, self.probe_timeout, self.slow_strikes = probe_interval, probe_timeout, slow_strikes
+
+    def engines(self) -> list[EngineAdvertisement]:
+        return [e for e in self._source() if e.kv_mode == self.mode]
+
+    def healthy(self, role: str) -> list[EngineAdvertisement]:
+        return [e for e in self.engines() if e.role == role and e.engine_id not in self.down]
+
+    def choose(self, exclude: set[str] = frozenset()) -> tuple[EngineAdvertisement, EngineAdvertisement] | None:
+        """Least outstanding work first: the decode engine, then a compatible prefill engine."""
+        prefills = [p for p in self.healthy("prefill") if p.engine_id not in exclude]
+        for decode in sorted(self.healthy("decode"), key=lambda e: (self.outstanding[e.engine_id], e.engine_id)):
+            matches = [p for p in prefills if compatible(p, decode)]
+            if matches:
+                return min(matches, key=lambda e: (self.outstanding[e.engine_id], e.engine_id)), decode
+        return None
+
+    def mark_down(self, engine_id: str) -> None:
+        self.down.add(engine_id)
+
+    async def probe_forever(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            try:
+                await self.probe_once(session)
+            except Exception:  # a probe bug must never stop probing for good
+                log.exception("engine probe round failed")
+            await asyncio.sleep(self.probe_interval)
+
+    async def probe_once(self, session: aiohttp.ClientSession) -> None:
+        engines = self.engines()
+        results = await asyncio.gather(*(self._probe(session, e) for e in engines))
+        down = set()
+        for engine, result in zip(engines, results):
+            eid = engine.engine_id
+            self.timeouts[eid] = self.timeouts[eid] + 1 if result == "slow" else 0
+            if result == "dead" or self.timeouts[eid] >= self.slow_strikes:
+                down.add(eid)
+        self.down = down
+
+    async def _probe(self, session: aiohttp.ClientSession, engine: EngineAdvertisement) -> str:
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.probe_timeout)
+            async with session.get(f"{engine.http_url}/health", timeout=timeout) as r:
+                if r.status != 200:
+                    return "dead"
+            if engine.engine_id not in self.max_model_len:
+                async with session.get(f"{engine.http_url}/v1/models", timeout=timeout) as r:
+                    if r.status == 200:
+                        cards = (await r.json()).get("data") or [{}]
+                        if isinstance(cards[0].get("max_model_len"), int):
+                            self.max_model_len[engine.engine_id] = cards[0]["max_model_len"]
+            return "ok"
+        except asyncio.TimeoutError:
+            return "slow"
+        except aiohttp.ClientError:
+            return "dead"
+
+    def snapshot(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for e in self.engines():
+            out[f"{e.role}/{'down' if e.engine_id in self.down else 'up'}"] += 1
+        return dict(out)
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,108 @@
+"""The prefill/decode request protocol of vLLM's NIXL connectors, as pure functions.
+
+Verified against the installed vLLM (0.32, nixl/push_scheduler.py, base_scheduler.py):
+- Both legs carry the same `X-Request-Id`. vLLM derives the internal request id from it (`cmpl-<id>-0` for
+  a single-prompt completion, `chatcmpl-<id>` for chat) plus a random `-xxxxxxxx` suffix; the push writer
+  matches decode's registration to prefill's finished blocks on the id without that suffix.
+- Push decode params must include `remote_request_id` and `tp_size`: a decode engine given push params
+  without `remote_request_id` dies with a KeyError. Prefill's random suffix is unknowable before it
+  answers, so the suffix-free id is sent; it is what decode's lease heartbeats name.
+- This vLLM has no `transfer_id`; engines that advertise `transfer_id` support get one as well.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from .advertisement import EngineAdvertisement
+
+Endpoint = Literal["completions", "chat"]
+ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
+
+
+class BadRequest(ValueError):
+    """The client's request cannot be served; the message is returned with a 400."""
+
+
+def validate_client_body(endpoint: Endpoint, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    for key in ROUTER_ONLY_FIELDS:
+        if key in body:
+            # Forwarding client-made transfer params lets anyone crash or wedge an engine.
+            raise BadRequest(f"'{key}' is set by the router and must not be sent by clients")
+    if endpoint == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt and
+                                                             all(isinstance(t, int) for t in prompt)):
+            raise BadRequest("'prompt' must be one non-empty string or one list of token ids "
+                             "(batched prompts are not supported by the disaggregated router)")
+    else:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list")
+    n = body.get("n", 1)
+    if n != 1:
+        raise BadRequest("'n' must be 1")
+    for key in ("max_tokens", "max_completion_tokens"):
+        if key in body and body[key] is not None and (not isinstance(body[key], int) or body[key] < 1):
+            raise BadRequest(f"'{key}' must be a positive integer")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("'stream' must be a boolean")
+    return body
+
+
+def internal_request_id(endpoint: Endpoint, request_id: str) -> str:
+    """vLLM's request id for an `X-Request-Id`, without the random suffix."""
+    return f"cmpl-{request_id}-0" if endpoint == "completions" else f"chatcmpl-{request_id}"
+
+
+def prefill_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    if endpoint == "chat":
+        out.pop("max_completion_tokens", None)
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    return out
+
+
+def push_decode_params(endpoint: Endpoint, request_id: str, prefill: EngineAdvertisement,
+                       transfer_id: bool = False) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": prefill.engine_id,
+        "remote_request_id": internal_request_id(endpoint, request_id),
+        "remote_host": prefill.side_channel_host,
+        "remote_port": prefill.side_channel_ports[0],
+        "tp_size": prefill.tp_size,
+        "pp_size": prefill.pp_size,
+    }
+    if transfer_id:
+        params["transfer_id"] = request_id
+    return params
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(body)
+    out["kv_transfer_params"] = params
+    return out
+
+
+def pull_decode_params(prefill_response: Any) -> dict[str, Any]:
+    """Prefill's returned params, unchanged; refuse anything that is not what a producer returns."""
+    params = prefill_response.get("kv_transfer_params") if isinstance(prefill_response, dict) else None
+    if not isinstance(params, dict) or not params.get("do_remote_prefill") or "remote_request_id" not in params:
+        raise ValueError("prefill returned no usable kv_transfer_params (is it running as a kv_producer?)")
+    return params
+
+
+def compatible(prefill: EngineAdvertisement, decode: EngineAdvertisement) -> bool:
+    """Only engines of one rollout generation (layout key) and one transfer mode are ever paired."""
+    return (prefill.role == "prefill" and decode.role == "decode" and prefill.layout_key == decode.layout_key
+            and prefill.kv_mode == decode.kv_mode and prefill.block_size == decode.block_size)

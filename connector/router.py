@@ -1,0 +1,346 @@
+"""`disagg router`: the OpenAI-compatible endpoint in front of prefill and decode engines.
+
+Push mode sends both legs at once: decode pre-registers its KV blocks with the prefill engine while the
+prompt is still being computed, so prefill WRITEs the moment it finishes. That needs the prefill engine's
+identity before it answers, which the rendezvous (or a static engine list) provides. Pull mode runs
+prefill first, then hands its returned kv_transfer_params to decode unchanged. `--dispatch sequential`
+runs push the slow way (decode after prefill), for benchmarks.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import TypeAdapter, ValidationError
+
+from . import pd_protocol as pd
+from .advertisement import EngineAdvertisement
+from .engine_pool import EnginePool
+
+log = logging.getLogger("disagg.router")
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("disagg_router_requests_total", "Requests by mode, endpoint and HTTP status",
+                                ["mode", "endpoint", "status"], registry=r)
+        self.ttft = Histogram("disagg_router_ttft_seconds", "Router receipt to the first token sent to the client",
+                              ["mode"], buckets=_LATENCY, registry=r)
+        self.handoff = Histogram("disagg_router_handoff_seconds",
+                                 "Prefill finished to decode's first token (the KV handoff)", ["mode"],
+                                 buckets=_LATENCY, registry=r)
+        self.decode_early = Counter("disagg_router_decode_before_prefill_done_total",
+                                    "Decode legs that reached their engine before prefill finished (what makes "
+                                    "push fast)", ["mode"], registry=r)
+        self.decode_legs = Counter("disagg_router_decode_legs_total", "Decode legs sent", ["mode"], registry=r)
+        self.upstream_errors = Counter("disagg_router_upstream_errors_total", "Failed upstream calls",
+                                       ["role", "kind"], registry=r)
+        self.retries = Counter("disagg_router_prefill_retries_total", "Requests retried on another prefill",
+                               registry=r)
+        self.engines = Gauge("disagg_router_engines", "Engines known, by role and state", ["role", "state"],
+                             registry=r)
+
+
+class UpstreamFailed(Exception):
+    def __init__(self, role: str, engine_id: str, kind: str, detail: str, status: int | None = None,
+                 body: Any = None):
+        super().__init__(f"{role} engine {engine_id}: {kind}: {detail}")
+        self.role, self.engine_id, self.kind, self.status, self.body = role, engine_id, kind, status, body
+
+    @property
+    def client_error(self) -> bool:
+        return self.status is not None and 400 <= self.status < 500 and self.status not in (404, 408, 429)
+
+
+@dataclass
+class Timeline:
+    start: float = field(default_factory=time.monotonic)
+    prefill_done: float | None = None
+    decode_sent: float | None = None
+    first_token: float | None = None
+
+
+@dataclass
+class Settings:
+    mode: str = "push"
+    dispatch: str = "concurrent"
+    connect_timeout: float = 5.0
+    request_timeout: float = 300.0
+    transfer_id: bool = False
+
+
+class Router:
+    def __init__(self, pool: EnginePool, settings: Settings, metrics: Metrics | None = None):
+        self.pool, self.s, self.m = pool, settings, metrics or Metrics()
+        self.session: aiohttp.ClientSession | None = None
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=None, connect=self.s.connect_timeout, sock_read=self.s.request_timeout)
+
+    # -- upstream legs -----------------------------------------------------------------------------------
+    async def _post_json(self, role: str, engine: EngineAdvertisement, path: str, body: dict, rid: str) -> Any:
+        assert self.session is not None
+        try:
+            async with self.session.post(f"{engine.http_url}{path}", json=body, headers={"X-Request-Id": rid},
+                                         timeout=self._timeout()) as r:
+                text = await r.text()
+                if r.status != 200:
+                    raise UpstreamFailed(role, engine.engine_id, "status", f"HTTP {r.status}: {text[:300]}",
+                                         r.status, _json_or_text(text))
+                return json.loads(text)
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+            raise UpstreamFailed(role, engine.engine_id, type(e).__name__, str(e) or "timeout") from e
+
+    async def _open_decode(self, engine: EngineAdvertisement, path: str, body: dict, rid: str,
+                           tl: Timeline) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        trace = {"tl": tl}
+        try:
+            resp = await self.session.post(f"{engine.http_url}{path}", json=body, headers={"X-Request-Id": rid},
+                                           timeout=self._timeout(), trace_request_ctx=trace)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise UpstreamFailed("decode", engine.engine_id, type(e).__name__, str(e) or "timeout") from e
+        if resp.status != 200:
+            text = await resp.text()
+            resp.release()
+            raise UpstreamFailed("decode", engine.engine_id, "status", f"HTTP {resp.status}: {text[:300]}",
+                                 resp.status, _json_or_text(text))
+        return resp
+
+    # -- one request -------------------------------------------------------------------------------------
+    async def serve(self, request: web.Request, endpoint: pd.Endpoint) -> web.StreamResponse:
+        try:
+            body = pd.validate_client_body(endpoint, await request.json())
+        except json.JSONDecodeError as e:
+            return self._error(endpoint, 400, f"invalid JSON: {e}")
+        except pd.BadRequest as e:
+            return self._error(endpoint, 400, str(e))
+        tried: set[str] = set()
+        last: UpstreamFailed | None = None
+        for attempt in range(2):
+            pair = self.pool.choose(exclude=tried)
+            if pair is None:
+                break
+            prefill, decode = pair
+            limit = self.pool.max_model_len.get(decode.engine_id)
+            wanted = body.get("max_tokens") or body.get("max_completion_tokens")
+            if limit and isinstance(wanted, int) and wanted > limit:
+                # Refused here, not by the engines: in push mode a decode leg rejected after prefill has
+                # started leaves vLLM 0.32's push state wedged for the next request.
+                return self._error(endpoint, 400, f"max_tokens={wanted} exceeds the model's max_model_len={limit}")
+            if attempt:
+                self.m.retries.inc()
+            try:
+                return await self._one(request, endpoint, body, prefill, decode)
+            except UpstreamFailed as e:
+                self.m.upstream_errors.labels(role=e.role, kind=e.kind).inc()
+                log.warning("%s", e)
+                last = e
+                if e.client_error:
+                    return self._error(endpoint, e.status or 400, _message(e.body) or str(e))
+                if e.role != "prefill":
+                    break
+                tried.add(e.engine_id)
+                if e.kind != "status":
+                    self.pool.mark_down(e.engine_id)
+        if last is None:
+            log.warning("no pair: engines %s, down %s", [(e.role, e.engine_id) for e in self.pool.engines()],
+                        sorted(self.pool.down))
+            return self._error(endpoint, 503, f"no healthy {self.s.mode}-mode prefill/decode pair with matching "
+                                              "layout keys is available")
+        return self._error(endpoint, 502, f"upstream failure: {last}")
+
+    async def _one(self, request: web.Request, endpoint: pd.Endpoint, body: dict, prefill: EngineAdvertisement,
+                   decode: EngineAdvertisement) -> web.StreamResponse:
+        rid = uuid.uuid4().hex
+        path, tl = PATHS[endpoint], Timeline()
+        self.pool.outstanding[prefill.engine_id] += 1
+        self.pool.outstanding[decode.engine_id] += 1
+        prefill_task: asyncio.Task | None = None
+        decode_task: asyncio.Task | None = None
+        try:
+            prefill_task = asyncio.create_task(self._post_json("prefill", prefill, path, pd.prefill_body(endpoint, body),
+                                                               rid))
+            if self.s.mode == "pull" or self.s.dispatch == "sequential":
+                pre = await prefill_task
+                tl.prefill_done = time.monotonic()
+                params = pd.pull_decode_params(pre) if self.s.mode == "pull" else \
+                    pd.push_decode_params(endpoint, rid, prefill, self.s.transfer_id)
+                decode_task = asyncio.create_task(self._open_decode(decode, path, pd.decode_body(body, params), rid, tl))
+            else:
+                params = pd.push_decode_params(endpoint, rid, prefill, self.s.transfer_id)
+                decode_task = asyncio.create_task(self._open_decode(decode, path, pd.decode_body(body, params), rid, tl))
+                # A failed prefill means decode would wait for KV that never comes: cancel it, never let it hang.
+                await prefill_task
+                tl.prefill_done = time.monotonic()
+            resp = await decode_task
+            self.m.decode_legs.labels(mode=self.s.mode).inc()
+            if tl.decode_sent is not None and tl.decode_sent < tl.prefill_done:
+                self.m.decode_early.labels(mode=self.s.mode).inc()
+            return await self._relay(request, endpoint, resp, tl)
+        except ValueError as e:  # prefill answered without usable transfer params
+            raise UpstreamFailed("prefill", prefill.engine_id, "protocol", str(e)) from e
+        finally:
+            for task in (prefill_task, decode_task):
+                if task is not None and not task.done():
+                    task.cancel()  # closing the upstream connection aborts the request in vLLM
+            self.pool.outstanding[prefill.engine_id] -= 1
+            self.pool.outstanding[decode.engine_id] -= 1
+
+    async def _relay(self, request: web.Request, endpoint: str, resp: aiohttp.ClientResponse,
+                     tl: Timeline) -> web.StreamResponse:
+        mode = self.s.mode
+        try:
+            if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                raw = await resp.read()
+                tl.first_token = time.monotonic()
+                self._observe(tl)
+                self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
+                return web.Response(body=raw, status=200, content_type="application/json")
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                          "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            async for chunk in resp.content.iter_any():
+                if tl.first_token is None and b"data:" in chunk:
+                    tl.first_token = time.monotonic()
+                    self._observe(tl)
+                await out.write(chunk)
+            await out.write_eof()
+            self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
+            return out
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise UpstreamFailed("decode", "?", type(e).__name__, str(e) or "timeout") from e
+        finally:
+            resp.release()
+
+    def _observe(self, tl: Timeline) -> None:
+        assert tl.first_token is not None
+        self.m.ttft.labels(mode=self.s.mode).observe(tl.first_token - tl.start)
+        if tl.prefill_done is not None:
+            self.m.handoff.labels(mode=self.s.mode).observe(max(0.0, tl.first_token - tl.prefill_done))
+
+    def _error(self, endpoint: str, status: int, message: str) -> web.Response:
+        self.m.requests.labels(mode=self.s.mode, endpoint=endpoint, status=str(status)).inc()
+        kind = "invalid_request_error" if status < 500 else "upstream_error"
+        return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+    # -- the app -----------------------------------------------------------------------------------------
+    async def models(self, _request: web.Request) -> web.Response:
+        assert self.session is not None
+        for engine in self.pool.healthy("decode"):
+            try:
+                async with self.session.get(f"{engine.http_url}/v1/models", timeout=self._timeout()) as r:
+                    if r.status == 200:
+                        return web.json_response(await r.json())
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                self.pool.mark_down(engine.engine_id)
+        return web.json_response({"error": {"message": "no healthy decode engine", "code": 503}}, status=503)
+
+    async def health(self, _request: web.Request) -> web.Response:
+        pair = self.pool.choose()
+        body = {"status": "ok" if pair else "no-engines", "engines": self.pool.snapshot()}
+        return web.json_response(body, status=200 if pair else 503)
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        for key, n in self.pool.snapshot().items():
+            role, state = key.split("/")
+            self.m.engines.labels(role=role, state=state).set(n)
+        return web.Response(body=generate_latest(self.m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=16 << 20)
+        app.router.add_post("/v1/completions", lambda r: self.serve(r, "completions"))
+        app.router.add_post("/v1/chat/completions", lambda r: self.serve(r, "chat"))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.cleanup_ctx.append(self._lifecycle)
+        return app
+
+    async def _lifecycle(self, _app: web.Application):
+        trace = aiohttp.TraceConfig()
+
+        async def headers_sent(_session, ctx, _params) -> None:
+            if ctx.trace_request_ctx and "tl" in ctx.trace_request_ctx:
+                ctx.trace_request_ctx["tl"].decode_sent = time.monotonic()
+
+        trace.on_request_headers_sent.append(headers_sent)
+        self.session = aiohttp.ClientSession(trace_configs=[trace],
+                                             connector=aiohttp.TCPConnector(limit=1024, limit_per_host=256))
+        probe = asyncio.create_task(self.pool.probe_forever(self.session))
+        yield
+        probe.cancel()
+        await self.session.close()
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _message(body: Any) -> str | None:
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        return err.get("message") if isinstance(err, dict) else str(err)
+    return body if isinstance(body, str) else None
+
+
+def load_static(path: Path) -> list[EngineAdvertisement]:
+    data = yaml.safe_load(path.read_text())
+    return TypeAdapter(list[EngineAdvertisement]).validate_python(data.get("engines", data)
+                                                                   if isinstance(data, dict) else data)
+
+
+def build(args: argparse.Namespace) -> tuple[Router, list]:
+    tasks: list = []
+    if args.engines_file:
+        try:
+            static = load_static(args.engines_file)
+        except (OSError, ValidationError, yaml.YAMLError) as e:
+            raise SystemExit(f"--engines-file {args.engines_file}: {e}")
+        source = lambda: static  # noqa: E731
+    else:
+        from .rendezvous_client import EngineCache, RendezvousClient
+
+        cache, client = EngineCache(), RendezvousClient(args.rendezvous)
+        tasks.append((cache, client))
+        source = lambda: list(cache.engines.values())  # noqa: E731
+    settings = Settings(mode=args.mode, dispatch=args.dispatch, connect_timeout=args.connect_timeout,
+                        request_timeout=args.request_timeout, transfer_id=args.transfer_id)
+    return Router(EnginePool(args.mode, source), settings), tasks
+
+
+def main(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    router, follows = build(args)
+    app = router.app()
+
+    async def follow(_app):
+        running = [asyncio.create_task(cache.follow(client)) for cache, client in follows]
+        yield
+        for t in running:
+            t.cancel()
+        for _cache, client in follows:
+            await client.close()
+
+    app.cleanup_ctx.append(follow)
+    # Cancel a request's handler when its client disconnects, so both upstream legs are aborted too.
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
+                print=lambda *_: log.info("router (%s, %s) on %s:%d", args.mode, args.dispatch, args.host, args.port))

@@ -1,0 +1,22 @@
+"""Flags of `disagg router`, kept apart so building the CLI never imports aiohttp."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--mode", choices=("push", "pull"), default="push")
+    p.add_argument("--dispatch", choices=("concurrent", "sequential"), default="concurrent",
+                   help="push only: send the decode leg with the prefill leg (default) or after it. "
+                        "Sequential is for benchmarks; with vLLM 0.32 a decode leg sent after prefill finished "
+                        "can wait for KV until --request-timeout")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--rendezvous", help="rendezvous URL to watch for engines")
+    src.add_argument("--engines-file", type=Path, help="static engine list (YAML/JSON advertisements)")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="per-read timeout of upstream calls")
+    p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--transfer-id", action="store_true", help="also send transfer_id (newer vLLM push protocol)")
+    p.add_argument("--log-level", default="INFO")

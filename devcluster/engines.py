@@ -1,0 +1,125 @@
+"""Real vLLM CPU engines on this machine: one process per engine, pinned to a core, serving the tiny model.
+
+Each engine is started the way the operator starts one in a pod (same kv-transfer-config shape, an engine
+id per incarnation), minus the pod. Engines die with their parent and report where their log is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cluster import die_with_parent, free_port
+
+PUSH, PULL = "NixlPushConnector", "NixlConnector"
+SUPERVISOR = str(Path(__file__).resolve().parent / "supervise.py")
+
+
+@dataclass
+class EngineSpec:
+    name: str
+    role: str | None  # "prefill", "decode" or None for a plain (non-disaggregated) engine
+    model: Path
+    core: int
+    mode: str = "push"
+    port: int = 0
+    side_channel_port: int = 0
+    engine_id: str = ""
+    kv_cache_gib: int = 1
+    max_model_len: int = 8192
+    block_size: int = 128
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def kv_transfer_config(self) -> dict | None:
+        if self.role is None:
+            return None
+        return {"kv_connector": PUSH if self.mode == "push" else PULL,
+                "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
+                "kv_buffer_device": "cpu", "engine_id": self.engine_id,
+                "kv_connector_extra_config": {"backends": ["UCX"]}}
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+class LocalEngine:
+    def __init__(self, spec: EngineSpec, python: Path, log_dir: Path):
+        self.spec = spec
+        self.python = python
+        self.log = log_dir / f"{spec.name}.log"
+        self.proc: subprocess.Popen | None = None
+        spec.port = spec.port or free_port()
+        spec.side_channel_port = spec.side_channel_port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    def start(self) -> "LocalEngine":
+        s = self.spec
+        # A fresh engine id per start: a restarted engine must never reuse an id peers hold NIXL state for.
+        s.engine_id = f"{s.name}-{uuid.uuid4().hex[:12]}"
+        argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
+                "--served-model-name", "tiny", "--dtype", "bfloat16", "--block-size", str(s.block_size),
+                "--enforce-eager", "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1",
+                "--port", str(s.port), "--seed", "0", "--disable-log-stats"]
+        if (cfg := s.kv_transfer_config()) is not None:
+            argv += ["--kv-transfer-config", json.dumps(cfg)]
+        env = {
+            **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+            "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": str(s.core),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(s.side_channel_port),
+            "UCX_TLS": "tcp,self,sm",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+            **s.extra_env,
+        }
+        with self.log.open("ab") as out:
+            out.write(f"\n=== start {s.engine_id} {' '.join(argv)}\n".encode())
+            # cwd=/ keeps a checkout off sys.path (its operator/ folder must never meet the stdlib's). The
+            # supervisor takes vLLM's engine-core and worker processes down with us, however we end.
+            self.proc = subprocess.Popen([sys.executable, SUPERVISOR, "--", *argv], env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, cwd="/", start_new_session=True,
+                                         preexec_fn=die_with_parent)
+        return self
+
+    def wait_ready(self, timeout: float = 240) -> "LocalEngine":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise EngineFailed(f"engine {self.spec.name} exited ({self.proc and self.proc.returncode}) during "
+                                   f"start-up; log: {self.log}\n{self.tail()}")
+            try:
+                if urllib.request.urlopen(f"{self.url}/health", timeout=2).status == 200:
+                    return self
+            except OSError:
+                time.sleep(0.5)  # polling a child's HTTP port: there is nothing to await
+        raise EngineFailed(f"engine {self.spec.name} not healthy after {timeout}s; log: {self.log}\n{self.tail()}")
+
+    def stop(self, grace: float = 20) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)  # the supervisor stops vLLM's whole process group
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def restart(self) -> "LocalEngine":
+        self.stop()
+        return self.start()
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""

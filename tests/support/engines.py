@@ -1,0 +1,169 @@
+"""Real vLLM CPU engines, the rendezvous and the router as processes, for the data-plane tests."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from disagg.devcluster.cluster import die_with_parent, free_port
+
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 8, "Disaggregated serving splits prefill and decode. " * 20]
+MAX_TOKENS = 12
+
+
+def completion(prompt: str) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+def chat(prompt: str) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+
+
+
+class Service:
+    """`disagg rendezvous` or `disagg router` as a child process."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path, port: int | None = None):
+        self.name, self.args, self.port = name, args, port or free_port()
+        self.log = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, ready_path: str = "/health", timeout: float = 30, ok=(200,)) -> "Service":
+        cmd = [str(Path(sys.executable).parent / "disagg"), *self.args, "--host", "127.0.0.1", "--port",
+               str(self.port)]
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(self.url + ready_path, timeout=1)
+                return self
+            except urllib.error.HTTPError as e:
+                if e.code in ok:
+                    return self
+                if ready_path == "/health":
+                    return self  # serving, just not ready to route yet
+            except OSError:
+                time.sleep(0.1)  # nothing to await until the port listens
+        raise TimeoutError(f"{self.name} not up after {timeout}s; log {self.log}")
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict | str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        text = e.read().decode()
+        try:
+            return e.code, json.loads(text)
+        except json.JSONDecodeError:
+            return e.code, text
+
+
+def post_raw(url: str, data: bytes, timeout: float = 30) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def stream_text(url: str, body: dict, timeout: float = 120) -> str:
+    """Concatenate the text of an SSE completion/chat stream."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    out = []
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for ch in chunk.get("choices", []):
+                out.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+    return "".join(out)
+
+
+def text_of(resp: dict) -> str:
+    ch = resp["choices"][0]
+    return ch.get("text") if "text" in ch else ch["message"]["content"]
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    import re
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", line)
+        if m and all(dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")).get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+class Load(threading.Thread):
+    """A steady stream of requests in the background, recording each outcome."""
+
+    def __init__(self, url: str, body: dict):
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.results: list[tuple[int, str]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            status, resp = post(self.url, self.body, timeout=60)
+            self.results.append((status, "" if status == 200 else str(resp)[:200]))
+
+    def stop(self) -> list[tuple[int, str]]:
+        self.halt.set()
+        self.join(120)
+        return self.results
+
+
+def await_status(url: str, status: int = 200, timeout: float = 30) -> None:
+    """Poll an HTTP endpoint until it answers `status` (another process's state has no event to await)."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = urllib.request.urlopen(url, timeout=2).status
+        except urllib.error.HTTPError as e:
+            last = e.code
+        except OSError as e:
+            last = repr(e)
+        if last == status:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} answered {last}, not {status}, for {timeout}s")
