@@ -148,6 +148,9 @@ async def resync_forever(memo: kopf.Memo, logger) -> None:
                 await run_pass(memo, namespace, name, full=True, trigger="resync", logger=logger, **indexes)
             except (kopf.TemporaryError, kopf.PermanentError) as e:
                 logger.warning(f"resync of {namespace}/{name} failed: {e}")
+            except Exception:  # one CR's failure (an API error, a timeout) must never end the resync loop
+                metrics.RECONCILES.labels(trigger="resync", result="error").inc()
+                logger.exception(f"resync of {namespace}/{name} failed")
 
 
 def _register_child(kind: str, group: str, version: str, plural: str) -> None:
