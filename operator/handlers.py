@@ -92,6 +92,10 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
             kopf.warn(body, reason="InvalidSpec", message=_first_error(e))
             raise kopf.PermanentError(f"invalid spec: {_first_error(e)}")
         try:
+            # The index can lag a deletion; applying then would recreate children the garbage collector is
+            # removing (owned by a deleted UID). Ask the apiserver before any pass that may create.
+            if full and not await reconciler.exists(namespace, name):
+                return
             if full:
                 outcome = await reconciler.apply_children(cr, thorough=trigger == "resync")
                 for ref in outcome.created:
