@@ -145,6 +145,7 @@ async def resync_forever(memo: kopf.Memo, logger) -> None:
         await asyncio.sleep(RESYNC_SECONDS)
         indexes = memo.shared.get("indexes")
         if not indexes:
+            metrics.RESYNC_ROUNDS.inc()
             continue
         metrics.MANAGED.set(len(indexes["dinf_index"]))
         for namespace, name in list(indexes["dinf_index"].keys()):
@@ -155,6 +156,7 @@ async def resync_forever(memo: kopf.Memo, logger) -> None:
             except Exception:  # one CR's failure (an API error, a timeout) must never end the resync loop
                 metrics.RECONCILES.labels(trigger="resync", result="error").inc()
                 logger.exception(f"resync of {namespace}/{name} failed")
+        metrics.RESYNC_ROUNDS.inc()
 
 
 def _register_child(kind: str, group: str, version: str, plural: str) -> None:

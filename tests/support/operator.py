@@ -86,10 +86,10 @@ class OperatorProcess:
             time.sleep(0.2)
         return value
 
-    def await_quiet(self) -> None:
-        """Wait for one full resync pass, after which no earlier trigger is still in flight."""
-        n = self.metric("disagg_operator_reconciles_total", trigger="resync", result="ok")
-        self.await_metric("disagg_operator_reconciles_total", n + 1, trigger="resync", result="ok")
+    def await_quiet(self, rounds: int = 1) -> None:
+        """Wait for `rounds` complete resync rounds over every CR: afterwards no earlier trigger is in flight."""
+        n = self.metric("disagg_operator_resync_rounds_total")
+        self.await_metric("disagg_operator_resync_rounds_total", n + rounds + 1)
 
     def await_log(self, text: str, timeout: float = 60) -> None:
         """The operator's log is a file another process writes: poll it for a line."""
