@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -92,7 +91,3 @@ class EnginePool:
         for e in self.engines():
             out[f"{e.role}/{'down' if e.engine_id in self.down else 'up'}"] += 1
         return dict(out)
-
-
-def now() -> float:
-    return time.monotonic()

@@ -9,7 +9,6 @@ Hard bounds it enforces:
 """
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
 import secrets

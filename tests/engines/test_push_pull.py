@@ -64,13 +64,10 @@ class TestPush:
         load = Load(url + "/v1/completions", completion(PROMPTS[0]))
         load.start()
         try:
-            while len(load.results) < 2:
-                time.sleep(0.05)  # let the stream get going
+            load.await_results(2)  # the stream is going
             push_pair.rendezvous.kill()
             push_pair.rendezvous.start()
-            n = len(load.results)
-            while len(load.results) < n + 3:
-                time.sleep(0.05)
+            load.await_results(len(load.results) + 3)
         finally:
             results = load.stop()
         assert [r for r in results if r[0] != 200] == []

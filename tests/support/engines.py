@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from disagg.devcluster.cluster import die_with_parent, free_port
+from support.metrics import scrape
 
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 8, "Disaggregated serving splits prefill and decode. " * 20]
@@ -122,14 +123,7 @@ def text_of(resp: dict) -> str:
 
 
 def metric(url: str, name: str, **labels: str) -> float:
-    import re
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", line)
-        if m and all(dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")).get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return scrape(url + "/metrics", name, **labels)
 
 
 class Load(threading.Thread):
@@ -140,11 +134,19 @@ class Load(threading.Thread):
         self.url, self.body = url, body
         self.results: list[tuple[int, str]] = []
         self.halt = threading.Event()
+        self._done = threading.Condition()
 
     def run(self) -> None:
         while not self.halt.is_set():
             status, resp = post(self.url, self.body, timeout=60)
-            self.results.append((status, "" if status == 200 else str(resp)[:200]))
+            with self._done:
+                self.results.append((status, "" if status == 200 else str(resp)[:200]))
+                self._done.notify_all()
+
+    def await_results(self, n: int, timeout: float = 120) -> None:
+        with self._done:
+            if not self._done.wait_for(lambda: len(self.results) >= n, timeout):
+                raise TimeoutError(f"only {len(self.results)} of {n} requests finished in {timeout}s")
 
     def stop(self) -> list[tuple[int, str]]:
         self.halt.set()

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -12,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from disagg.devcluster.cluster import die_with_parent
+from support.metrics import scrape
 
 
 def _free_port() -> int:
@@ -65,17 +65,7 @@ class OperatorProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:]) if self.log.exists() else ""
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of a counter's samples matching the labels."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
-        total = 0.0
-        for line in text.splitlines():
-            m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", line)
-            if not m:
-                continue
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-            if all(got.get(k) == v for k, v in labels.items()):
-                total += float(m.group(2))
-        return total
+        return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics", name, **labels)
 
     def await_metric(self, name: str, at_least: float, timeout: float = 60, **labels: str) -> float:
         """Metrics can only be polled; poll until the counter reaches `at_least`."""
