@@ -49,6 +49,12 @@ def _rendezvous(args: argparse.Namespace) -> None:
     rendezvous.main(args)
 
 
+def _install_plugin(args: argparse.Namespace) -> None:
+    from disagg.connector import install_plugin
+
+    sys.exit(install_plugin.main(args.dir))
+
+
 def _rendezvous_arguments(p: argparse.ArgumentParser) -> None:
     # Defined here, not in connector/rendezvous.py, so building the parser never imports aiohttp.
     p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
@@ -108,6 +114,11 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("router", help="the OpenAI-compatible push/pull-aware router in front of the engines")
     router_args.add_arguments(g)
     g.set_defaults(func=_router)
+
+    i = sub.add_parser("install-plugin", help="copy the vLLM connector plugin (disagg.connector) into DIR, for "
+                                             "engines run with PYTHONPATH=DIR (the engine pods' init container)")
+    i.add_argument("dir", metavar="DIR", help="target directory; the package lands in DIR/disagg/connector/")
+    i.set_defaults(func=_install_plugin)
 
     r = sub.add_parser("render", help="print every object the operator would create for a CR (no cluster)")
     r.add_argument("-f", "--file", required=True, help="DisaggregatedInference YAML file, or - for stdin")

@@ -56,6 +56,19 @@ def test_entrypoints_start_from_the_installed_wheel(installed):
     assert "kind: StatefulSet" in children and "name: qwen3-32b-prefill" in children
 
 
+def test_install_plugin_copies_the_wheels_connector_package(installed, tmp_path):
+    """The engine pods' init container: `disagg install-plugin` finds the package in the wheel's site-packages."""
+    target = tmp_path / "opt-disagg"
+    run(installed / "disagg", "install-plugin", target, cwd="/")
+    site = Path(run(installed / "python", "-c", "import disagg.connector, os; "
+                    "print(os.path.dirname(disagg.connector.__file__))", cwd="/").stdout.strip())
+    assert str(site).startswith(str(installed.parent)), "the wheel's copy, not the checkout"
+    wheel_files = sorted(p.name for p in site.glob("*.py"))
+    assert "advertisement.py" in wheel_files and "rendezvous_client.py" in wheel_files
+    assert sorted(p.name for p in (target / "disagg" / "connector").iterdir()) == wheel_files
+    assert sorted(p.name for p in (target / "disagg").iterdir()) == ["connector"]
+
+
 def test_only_runtime_dependencies_are_installed(installed):
     listed = json.loads(run(installed / "python", "-m", "pip", "list", "--format=json").stdout)
     norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731  (PEP 503 names)
