@@ -32,6 +32,9 @@ URL_ENV = "DISAGG_RENDEZVOUS_URL"
 TOKEN_ENV = "DISAGG_RENDEZVOUS_TOKEN"
 TOKEN_FILE_ENV = "DISAGG_RENDEZVOUS_TOKEN_FILE"
 HEARTBEAT_ENV = "DISAGG_HEARTBEAT_SECONDS"
+HTTP_PORT_ENV = "DISAGG_HTTP_PORT"
+"""The engine's OpenAI-server port (spec.engine.port), for the advertised `http_url`."""
+DEFAULT_HTTP_PORT = 8000
 DEFAULT_HEARTBEAT = 5.0
 LEASE_HEARTBEATS = 3
 """Engines ask for a lease of this many heartbeats: an entry expires after three missed renewals."""
@@ -363,12 +366,13 @@ def heartbeat_from_env(env: Mapping[str, str] = os.environ) -> float:
 
 
 def advertisement_from_env(*, tp_size: int, block_size: int, pp_size: int = 1, dp_size: int = 1,
-                           http_url: str | None = None, http_port: int = 8000, transport: str | None = None,
+                           http_url: str | None = None, http_port: int | None = None, transport: str | None = None,
                            kv_metadata: str | dict[str, Any] | None = None,
                            env: Mapping[str, str] = os.environ) -> EngineAdvertisement:
     """The advertisement of this engine from the operator's env (DISAGG_ROLE, DISAGG_ENGINE_ID,
     DISAGG_DEPLOYMENT, DISAGG_LAYOUT_KEY, DISAGG_KV_MODE, DISAGG_HEARTBEAT_SECONDS, POD_NAME, POD_UID, POD_IP,
-    VLLM_NIXL_SIDE_CHANNEL_HOST/PORT) plus what only vLLM knows (sizes, HTTP port, transport, KV metadata).
+    VLLM_NIXL_SIDE_CHANNEL_HOST/PORT) plus what only vLLM knows (sizes, transport, KV metadata). The HTTP port
+    is `http_port`, else $DISAGG_HTTP_PORT (the operator sets it to spec.engine.port), else 8000.
     Side-channel ports are PORT..PORT+dp_size-1; the lease is 3 heartbeats."""
     def need(name: str) -> str:
         if not env.get(name):
@@ -378,6 +382,8 @@ def advertisement_from_env(*, tp_size: int, block_size: int, pp_size: int = 1, d
     host = need("VLLM_NIXL_SIDE_CHANNEL_HOST")
     base = int(need("VLLM_NIXL_SIDE_CHANNEL_PORT"))
     if http_url is None:
+        if http_port is None:
+            http_port = int(env.get(HTTP_PORT_ENV) or DEFAULT_HTTP_PORT)
         ip = env.get("POD_IP") or host
         http_url = f"http://[{ip}]:{http_port}" if ":" in ip else f"http://{ip}:{http_port}"
     return EngineAdvertisement(

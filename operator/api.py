@@ -23,6 +23,9 @@ SHORT_NAMES = ["dinf"]
 
 PUSH_CONNECTOR = "NixlPushConnector"
 PULL_CONNECTOR = "NixlConnector"
+PLUGIN_CONNECTORS = frozenset({PUSH_CONNECTOR, PULL_CONNECTOR, "NixlPullConnector"})
+"""The vLLM connector classes `disagg.connector.plugin` wraps under the same names. Only these engines load the
+plugin (and so advertise themselves and report their transport); a vendor connector runs as vLLM ships it."""
 
 
 def _cel(rule: str, message: str | None = None, *, message_expression: str | None = None,
@@ -370,6 +373,11 @@ class DisaggregatedInferenceSpec(Model):
     @property
     def connector(self) -> str:
         return self.kv_transfer.connector or (PUSH_CONNECTOR if self.kv_transfer.mode == "push" else PULL_CONNECTOR)
+
+    @property
+    def uses_plugin(self) -> bool:
+        """Engines load disagg's connector plugin: the connector is one the plugin wraps."""
+        return self.connector in PLUGIN_CONNECTORS
 
     def efa_for(self, role: RoleSpec) -> int:
         efa = self.accelerator.efa

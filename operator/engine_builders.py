@@ -18,6 +18,7 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 PLUGIN_MODULE = "disagg.connector.plugin"
 ENGINE_CONTAINER = "engine"
 PLUGIN_CONTAINER = "install-plugin"
+PLUGIN_VOLUME = "disagg-plugin"
 LAUNCH_DIR = "/etc/disagg"
 PLUGIN_DIR = "/opt/disagg"
 MODELS_DIR = "/models"
@@ -67,9 +68,13 @@ def model_path(spec: DisaggregatedInferenceSpec) -> str:
 def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str, Any]:
     # Bidirectional (pull only) needs both directions on both engines: vLLM's kv_both.
     kv_role = "kv_both" if spec.kv_transfer.bidirectional else KV_ROLES[role]
-    return {"kv_connector": spec.connector, "kv_role": kv_role, "engine_id": ENGINE_ID_PLACEHOLDER,
-            "kv_connector_module_path": PLUGIN_MODULE,
-            "kv_connector_extra_config": {"backends": [spec.backend]}}
+    config: dict[str, Any] = {"kv_connector": spec.connector, "kv_role": kv_role, "engine_id": ENGINE_ID_PLACEHOLDER}
+    # Only the classes the plugin wraps (under vLLM's own names) come from it; a vendor connector such as
+    # NeuronNixlConnector is vLLM's (or its platform's) to resolve, and its engines do not advertise.
+    if spec.uses_plugin:
+        config["kv_connector_module_path"] = PLUGIN_MODULE
+    config["kv_connector_extra_config"] = {"backends": [spec.backend]}
+    return config
 
 
 def engine_args(spec: DisaggregatedInferenceSpec, role_name: str) -> list[str]:
@@ -157,8 +162,11 @@ def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any
         _env("DISAGG_REGISTRATION_TIMEOUT_SECONDS", spec.kv_transfer.registration_timeout_seconds),
         # vLLM's own knob for how long a producer keeps unclaimed KV blocks (pull mode's lease).
         _env("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", spec.kv_transfer.lease_seconds),
-        _env("PYTHONPATH", PLUGIN_DIR),
+        # The plugin runs inside vLLM's engine core, which does not know the API server's port it advertises.
+        _env("DISAGG_HTTP_PORT", spec.engine.port),
     ]
+    if spec.uses_plugin:
+        env.append(_env("PYTHONPATH", PLUGIN_DIR))  # the init container's copy of disagg.connector
     hub = spec.model.source.hub
     if spec.model.source.pvc is None:
         env.append(_env("HF_HOME", HF_CACHE_DIR))
@@ -235,13 +243,14 @@ def _volumes(cr: DisaggregatedInference) -> tuple[list[dict[str, Any]], list[dic
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.profile.shm_size}},
         {"name": "launch", "configMap": {"name": names.launch_configmap_name(cr_name(cr)), "defaultMode": 0o755}},
-        {"name": "disagg-plugin", "emptyDir": {}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": SHM_DIR},
         {"name": "launch", "mountPath": LAUNCH_DIR, "readOnly": True},
-        {"name": "disagg-plugin", "mountPath": PLUGIN_DIR, "readOnly": True},
     ]
+    if spec.uses_plugin:
+        volumes.append({"name": PLUGIN_VOLUME, "emptyDir": {}})
+        mounts.append({"name": PLUGIN_VOLUME, "mountPath": PLUGIN_DIR, "readOnly": True})
     pvc = spec.model.source.pvc
     if pvc is not None:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
@@ -280,11 +289,13 @@ def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: Oper
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    # The operator image copies disagg.connector into the shared emptyDir (connector/install_plugin.py); the
+    # engine imports it from there through PYTHONPATH, read-only.
     install = {
         "name": PLUGIN_CONTAINER,
         "image": images.operator,
         "command": ["disagg", "install-plugin", PLUGIN_DIR],
-        "volumeMounts": [{"name": "disagg-plugin", "mountPath": PLUGIN_DIR}],
+        "volumeMounts": [{"name": PLUGIN_VOLUME, "mountPath": PLUGIN_DIR}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -296,7 +307,7 @@ def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: Oper
         "enableServiceLinks": False,
         # Engines talk to the rendezvous over HTTP, never to the API server.
         "automountServiceAccountToken": False,
-        "initContainers": [install],
+        **({"initContainers": [install]} if spec.uses_plugin else {}),
         "containers": [engine],
         "volumes": volumes,
         "nodeSelector": dict(sorted({INSTANCE_TYPE_KEY: profile.instance_type, **role.node_selector}.items())),

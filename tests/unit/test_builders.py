@@ -127,6 +127,55 @@ def test_connector_override_and_bidirectional_pull():
     assert cfg["kv_connector"] == "NeuronNixlConnector" and cfg["kv_role"] == "kv_both"
 
 
+def _plugin_parts(cr: DisaggregatedInference, role: str) -> dict[str, Any]:
+    children = build_children(cr, images=OperatorImages(operator="registry.example/disagg:dev"))
+    spec = pod(children, role)["spec"]
+    eng = engine(children, role)
+    return {"module": kv_config(cr, role).get("kv_connector_module_path"),
+            "init": spec.get("initContainers", []), "pythonpath": env_of(eng).get("PYTHONPATH"),
+            "volumes": {v["name"]: v for v in spec["volumes"]},
+            "mounts": {m["name"]: m for m in eng["volumeMounts"]}}
+
+
+@pytest.mark.parametrize("mode, connector", [("push", None), ("pull", None), ("push", "NixlPushConnector"),
+                                             ("pull", "NixlConnector"), ("pull", "NixlPullConnector")])
+def test_connectors_the_plugin_wraps_load_it_from_the_init_containers_copy(mode, connector):
+    cr = make_cr({"kvTransfer": {"mode": mode, **({"connector": connector} if connector else {})}})
+    for role in ("prefill", "decode"):
+        parts = _plugin_parts(cr, role)
+        assert parts["module"] == "disagg.connector.plugin"
+        [init] = parts["init"]
+        assert init["image"] == "registry.example/disagg:dev", "the operator image carries the package"
+        assert init["command"] == ["disagg", "install-plugin", "/opt/disagg"]
+        [init_mount] = init["volumeMounts"]
+        assert not init_mount.get("readOnly")
+        engine_mount = parts["mounts"][init_mount["name"]]
+        assert engine_mount["mountPath"] == init_mount["mountPath"] == "/opt/disagg", "one volume, one path"
+        assert engine_mount["readOnly"] is True
+        assert parts["volumes"][init_mount["name"]] == {"name": init_mount["name"], "emptyDir": {}}
+        assert parts["pythonpath"] == "/opt/disagg"
+
+
+def test_a_vendor_connector_gets_no_plugin():
+    """NeuronNixlConnector is not one the plugin wraps: no module path, no init container, nothing to import."""
+    cr = make_cr({"kvTransfer": {"mode": "pull", "connector": "NeuronNixlConnector"}}, profile="trainium2")
+    for role in ("prefill", "decode"):
+        parts = _plugin_parts(cr, role)
+        assert parts["module"] is None and parts["init"] == [] and parts["pythonpath"] is None
+        assert "disagg-plugin" not in parts["volumes"] and "disagg-plugin" not in parts["mounts"]
+        assert kv_config(cr, role)["kv_connector"] == "NeuronNixlConnector"
+
+
+def test_engines_know_their_http_port():
+    """The plugin runs in vLLM's engine core, which does not know the API server's port; it advertises this one."""
+    for spec, port in (({}, "8000"), ({"engine": {"port": 9000}}, "9000")):
+        cr = make_cr(spec)
+        for role in ("prefill", "decode"):
+            eng = engine(build_children(cr), role)
+            assert env_of(eng)["DISAGG_HTTP_PORT"] == port
+            assert engine_args(cr.spec, role)[engine_args(cr.spec, role).index("--port") + 1] == port
+
+
 def test_engine_id_env_is_declared_after_the_vars_it_expands():
     """Kubernetes expands $(VAR) only from variables defined earlier in the list."""
     cr = make_cr({"decode": {"env": [{"name": "POD_NAME", "value": "x"}, {"name": "EXTRA", "value": "1"}]}})

@@ -430,6 +430,11 @@ def test_advertisement_from_the_operator_env():
     assert (a.role, a.engine_id, a.pod_name, a.http_url, a.side_channel_ports, a.lease_seconds) == \
         ("decode", "qwen-decode-0-uid", "qwen-decode-0", "http://10.1.2.3:8000", [5600, 5601], 15.0)
     assert RendezvousClient.from_env(env).url == "http://qwen-rendezvous.ml.svc:8080"
+    # The HTTP port the operator gives the pod (spec.engine.port); an explicit argument still wins.
+    ported = {**env, "DISAGG_HTTP_PORT": "9100"}
+    assert advertisement_from_env(tp_size=1, block_size=16, env=ported).http_url == "http://10.1.2.3:9100"
+    assert advertisement_from_env(tp_size=1, block_size=16, http_port=9200, env=ported).http_url == \
+        "http://10.1.2.3:9200"
     with pytest.raises(KeyError, match="DISAGG_ENGINE_ID"):
         advertisement_from_env(tp_size=1, block_size=16, env={k: v for k, v in env.items() if k != "DISAGG_ENGINE_ID"})
 
