@@ -434,7 +434,8 @@ class DisaggregatedInferenceStatus(Model):
     observed_generation: int | None = None
     """The .metadata.generation the operator last reconciled."""
     conditions: list[Condition] = Field(default_factory=list)
-    """Ready, Progressing and Degraded, with reasons and messages."""
+    """Ready, Progressing, Degraded and TransportVerified (the NIXL backend the engines report against the one
+    requested), with reasons and messages."""
     prefill: RoleStatus = Field(default_factory=RoleStatus)
     """Prefill replica counts."""
     decode: RoleStatus = Field(default_factory=RoleStatus)

@@ -152,6 +152,8 @@ def crd() -> dict[str, Any]:
                     col("Decode", ".status.decodeReady", description="ready/desired decode engines"),
                     col("Ready", ".status.conditions[?(@.type=='Ready')].status"),
                     col("Endpoint", ".status.endpoint", priority=0),
+                    col("Transport", ".status.conditions[?(@.type=='TransportVerified')].reason", priority=1,
+                        description="whether the engines report the requested NIXL backend (TransportVerified)"),
                     col("Age", ".metadata.creationTimestamp", "date"),
                 ],
                 "schema": {"openAPIV3Schema": openapi_schema()},

@@ -5,7 +5,9 @@ Triggers:
 - the CR is created, changed, or found at start-up (resume) → full pass (apply children, then status);
 - a child changed and it is not the echo of our own apply (a hand edit, a deletion) → full pass;
 - a child's status changed, or an engine pod's state changed → status pass;
-- a periodic resync → full pass (drift correction; writes nothing when nothing drifted).
+- a periodic resync → full pass (drift correction; writes nothing when nothing drifted);
+- the engines' reported transport changed in the deployment's rendezvous → status pass. A poll loop reads
+  every deployment's rendezvous in the background (transport.py); passes only read its cached answers.
 
 The resync is a plain asyncio loop, not a kopf timer: kopf timers put a finalizer on every CR, and a CR
 must stay deletable when the operator is not running (owner references do the cleanup).
@@ -13,16 +15,19 @@ must stay deletable when the operator is not running (owner references do the cl
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import kopf
 from pydantic import ValidationError
 
 from . import api, metrics
 from .reconciler import ApplyFailed, Reconciler
-from .status import Observed, WorkloadState, pod_problems, workload_state
+from .status import Observed, TransportReport, WorkloadState, pod_problems, workload_state
+from .transport import TransportPoller
 
 INSTANCE = "app.kubernetes.io/instance"
 COMPONENT = "app.kubernetes.io/component"
@@ -67,10 +72,11 @@ def _one(index: kopf.Index, key: tuple) -> WorkloadState:
     return next(iter(store), WorkloadState()) if store else WorkloadState()
 
 
-def observe(namespace: str, name: str, sts: kopf.Index, deploys: kopf.Index, pods: kopf.Index) -> Observed:
+def observe(namespace: str, name: str, sts: kopf.Index, deploys: kopf.Index, pods: kopf.Index,
+            transport: TransportReport | None = None) -> Observed:
     problems = tuple(p for group in (pods.get((namespace, name)) or ()) for p in group)
     return Observed(prefill=_one(sts, (namespace, name, "prefill")), decode=_one(sts, (namespace, name, "decode")),
-                    router=_one(deploys, (namespace, name, "router")), problems=problems)
+                    router=_one(deploys, (namespace, name, "router")), problems=problems, transport=transport)
 
 
 # -- the passes -----------------------------------------------------------------------------------------
@@ -78,11 +84,15 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
                    dinf_index: kopf.Index, sts_index: kopf.Index, deploy_index: kopf.Index,
                    pod_problem_index: kopf.Index, logger) -> None:
     reconciler: Reconciler = memo.reconciler
+    transports: TransportPoller = memo.transports
+    key = (namespace, name)
 
     async def one_pass(full: bool) -> None:
-        store = dinf_index.get((namespace, name))
+        store = dinf_index.get(key)
         body = next(iter(store), None) if store else None
         if body is None or body["metadata"].get("deletionTimestamp"):
+            transports.forget(key)
+            reconciler.forget(key)
             return  # deleted: owner references make the garbage collector remove the children
         t0 = time.monotonic()
         try:
@@ -103,11 +113,19 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
                 for ref in outcome.updated:
                     metrics.CHILD_WRITES.labels(kind=ref.split("/")[0], change="updated").inc()
                 if outcome.created:
-                    kopf.info(body, reason="Created", message="created " + ", ".join(outcome.created))
+                    post_event(memo, kopf.info, body, "Created", "created " + ", ".join(outcome.created))
                 if outcome.updated:
-                    kopf.info(body, reason="Updated", message="updated " + ", ".join(outcome.updated))
-            observed = observe(namespace, name, sts_index, deploy_index, pod_problem_index)
-            await reconciler.publish_status(cr, body, observed)
+                    post_event(memo, kopf.info, body, "Updated", "updated " + ", ".join(outcome.updated))
+            report = None
+            if cr.spec.uses_plugin:
+                transports.request(key)  # in the background, when the cached answer is old or missing
+                report = transports.report(key)
+            observed = observe(namespace, name, sts_index, deploy_index, pod_problem_index, report)
+            status = await reconciler.publish_status(cr, body, observed)
+            event = reconciler.transport_event(key, body.get("status"), status) if status is not None else None
+            if event is not None:
+                kind, reason, message = event
+                post_event(memo, kopf.warn if kind == "Warning" else kopf.info, body, reason, message)
         except ApplyFailed as e:
             if e.code == 403 and "being terminated" in str(e):
                 return  # the namespace is going away with the CR in it; nothing to converge to
@@ -118,6 +136,21 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - t0)
 
     await reconciler.coalescer.run((namespace, name), full, one_pass)
+
+
+def post_event(memo: kopf.Memo, post: Callable[..., None], body: Any, reason: str, message: str) -> None:
+    """kopf.info/warn from any task. kopf finds its event queue through context variables that only its handler
+    tasks carry; the resync and transport-poll loops run outside them, so they post through the context of
+    the latest handler call (saved by _indexes)."""
+    try:
+        post(body, reason=reason, message=message)
+    except LookupError:
+        context = memo.shared.get("context")
+        if context is None:
+            logging.getLogger("disagg.operator").warning("event %s not posted (no handler context yet): %s",
+                                                         reason, message)
+            return
+        context.run(post, body, reason=reason, message=message)
 
 
 def _first_error(e: ValidationError) -> str:
@@ -137,6 +170,7 @@ def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> dict[str, Any]:
     # hands each object a shallow copy of the memo, so the reference goes into a dict they all share.
     indexes = {k: kw[k] for k in ("dinf_index", "sts_index", "deploy_index", "pod_problem_index")}
     memo.shared["indexes"] = indexes
+    memo.shared["context"] = contextvars.copy_context()  # for post_event outside handlers
     return indexes
 
 
@@ -157,6 +191,39 @@ async def resync_forever(memo: kopf.Memo, logger) -> None:
                 metrics.RECONCILES.labels(trigger="resync", result="error").inc()
                 logger.exception(f"resync of {namespace}/{name} failed")
         metrics.RESYNC_ROUNDS.inc()
+
+
+async def transport_changed(memo: kopf.Memo, key: tuple[str, str], logger) -> None:
+    """A deployment's rendezvous answered differently than before: refresh its status."""
+    indexes = memo.shared.get("indexes")
+    if not indexes or key not in indexes["dinf_index"]:
+        return
+    try:
+        await run_pass(memo, *key, full=False, trigger="transport", logger=logger, **indexes)
+    except (kopf.TemporaryError, kopf.PermanentError) as e:
+        logger.warning(f"status pass of {key[0]}/{key[1]} failed: {e}")
+    except Exception:
+        metrics.RECONCILES.labels(trigger="transport", result="error").inc()
+        logger.exception(f"status pass of {key[0]}/{key[1]} failed")
+
+
+async def poll_transports_forever(memo: kopf.Memo, interval: float) -> None:
+    """Every `interval`, re-read every deployment's rendezvous in the background; answers that changed
+    trigger status passes (transport_changed). Deployments that left the index are forgotten."""
+    transports: TransportPoller = memo.transports
+    while True:
+        await asyncio.sleep(interval)
+        indexes = memo.shared.get("indexes")
+        if not indexes:
+            continue
+        for key in transports.keys() - set(indexes["dinf_index"].keys()):
+            transports.forget(key)
+        for key, store in list(indexes["dinf_index"].items()):
+            body = next(iter(store), None)
+            if body is not None and (body.get("spec") or {}).get("kvTransfer", {}).get("connector") not in \
+                    (None, *api.PLUGIN_CONNECTORS):
+                continue  # a vendor connector: its engines never report a transport
+            transports.request(key, force=True)
 
 
 def _register_child(kind: str, group: str, version: str, plural: str) -> None:

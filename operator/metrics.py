@@ -14,3 +14,5 @@ API_SECONDS = Histogram("disagg_operator_api_seconds", "Latency of API calls", [
                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
 MANAGED = Gauge("disagg_operator_managed_resources", "DisaggregatedInference objects known to this operator")
 RESYNC_ROUNDS = Counter("disagg_operator_resync_rounds_total", "Completed periodic resyncs over every known CR")
+RENDEZVOUS_POLLS = Counter("disagg_operator_rendezvous_polls_total",
+                           "Reads of a deployment's rendezvous for the engines' transport", ["result"])

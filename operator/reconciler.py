@@ -26,7 +26,7 @@ from . import api, metrics, names
 from .builders import OperatorImages, build_children, endpoint_url
 from .meta import cr_name as meta_name
 from .meta import object_meta
-from .status import Observed, compute_status
+from .status import TRANSPORT_VERIFIED, Observed, compute_status, transport_event
 
 FIELD_MANAGER = "disagg-operator"
 DinfResource = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
@@ -86,6 +86,7 @@ class Reconciler:
         # What our last apply of each child produced: a later event with the same marker is our own echo.
         self.applied: dict[ChildKey, str] = {}
         self._token_secrets: set[str] = set()  # CR uids whose token Secret is known to exist
+        self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
 
     # -- children ----------------------------------------------------------------------------------------
     async def apply_children(self, cr: api.DisaggregatedInference, thorough: bool = False) -> ApplyOutcome:
@@ -169,23 +170,38 @@ class Reconciler:
 
     # -- status ------------------------------------------------------------------------------------------
     async def publish_status(self, cr: api.DisaggregatedInference, body: Mapping[str, Any],
-                             observed: Observed) -> bool:
+                             observed: Observed) -> dict[str, Any] | None:
+        """Write the status if it changed. Returns the status, or None when the CR is gone."""
         meta = body["metadata"]
         previous = dict(body.get("status") or {})
         status = compute_status(cr.spec, int(meta.get("generation", 0)), observed, endpoint_url(cr), previous,
                                 _now())
         if _same_status(previous, status):
-            return False
+            return status
         try:
             await self.client.patch(DinfResource.Status, meta["name"], {"status": status},
                                     namespace=meta["namespace"], patch_type=PatchType.MERGE)
         except ApiError as e:
             metrics.API_ERRORS.labels(kind=api.KIND, verb="patch-status").inc()
             if e.status.code == 404:  # deleted meanwhile
-                return False
+                return None
             raise
         metrics.STATUS_WRITES.inc()
-        return True
+        return status
+
+    def transport_event(self, key: Key, previous: Mapping[str, Any] | None,
+                        status: Mapping[str, Any]) -> tuple[str, str, str] | None:
+        """The Event for a TransportVerified transition, once per transition. What this process last published
+        beats the status it read, which can lag our own write; after a restart the stored status is the memory."""
+        cond = next(c for c in status["conditions"] if c["type"] == TRANSPORT_VERIFIED)
+        stored = next((c for c in (previous or {}).get("conditions", []) or [] if c.get("type") == TRANSPORT_VERIFIED),
+                      None)
+        before = self._transport_status.get(key, stored.get("status") if stored else None)
+        self._transport_status[key] = cond["status"]
+        return transport_event(before, cond)
+
+    def forget(self, key: Key) -> None:
+        self._transport_status.pop(key, None)
 
 
 class ApplyFailed(RuntimeError):

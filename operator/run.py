@@ -7,6 +7,11 @@ import logging
 import os
 import random
 
+from .names import rendezvous_url
+
+# The in-cluster Service of each deployment's rendezvous, with placeholders. (names.py imports nothing heavy.)
+DEFAULT_RENDEZVOUS_TEMPLATE = rendezvous_url("{name}", "{namespace}")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     scope = p.add_mutually_exclusive_group()
@@ -25,6 +30,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prometheus metrics port (0 disables)")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint URL")
     p.add_argument("--resync-seconds", type=float, default=300.0, help="periodic drift-correction interval")
+    p.add_argument("--rendezvous-url-template",
+                   default=os.environ.get("DISAGG_RENDEZVOUS_URL_TEMPLATE", DEFAULT_RENDEZVOUS_TEMPLATE),
+                   help="where the operator reads each deployment's rendezvous (for the engines' reported transport, "
+                        "condition TransportVerified); {name} and {namespace} are the CR's. Default: the in-cluster "
+                        f"Service, {DEFAULT_RENDEZVOUS_TEMPLATE}")
+    p.add_argument("--transport-poll-seconds", type=float, default=30.0,
+                   help="how often every deployment's rendezvous is read (in the background; default 30)")
+    p.add_argument("--rendezvous-timeout", type=float, default=2.0,
+                   help="bound of one rendezvous read (default 2 s); an unreachable rendezvous makes "
+                        "TransportVerified Unknown, never a failed or slow reconcile")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -39,6 +54,14 @@ def main(args: argparse.Namespace) -> None:
     os.environ["DISAGG_RESYNC_SECONDS"] = str(args.resync_seconds)
     from . import handlers  # noqa: F401  (registers the handlers with kopf's default registry)
     from .reconciler import Reconciler
+    from .transport import TransportPoller, check_template
+
+    try:
+        check_template(args.rendezvous_url_template)
+    except ValueError as e:
+        raise SystemExit(f"disagg operator: {e}")
+    if args.transport_poll_seconds <= 0 or args.rendezvous_timeout <= 0:
+        raise SystemExit("disagg operator: --transport-poll-seconds and --rendezvous-timeout must be positive")
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -59,11 +82,18 @@ def main(args: argparse.Namespace) -> None:
         settings.networking.request_timeout = 30
         memo.shared = {}
         memo.reconciler = Reconciler(AsyncClient(KubeConfig.from_env()), images)
+        transport_log = logging.getLogger("disagg.transport")
+        memo.transports = TransportPoller(
+            args.rendezvous_url_template, timeout=args.rendezvous_timeout, interval=args.transport_poll_seconds,
+            on_change=lambda key: handlers.transport_changed(memo, key, transport_log))
         memo.resync = asyncio.create_task(handlers.resync_forever(memo, logging.getLogger("disagg.resync")))
+        memo.transport_poll = asyncio.create_task(handlers.poll_transports_forever(memo, args.transport_poll_seconds))
 
     @kopf.on.cleanup()
     async def close(memo: kopf.Memo, **_) -> None:
         memo.resync.cancel()
+        memo.transport_poll.cancel()
+        await memo.transports.close()
         await memo.reconciler.client.close()
 
     priority = args.priority

@@ -4,7 +4,13 @@ Invariants:
 - `Ready` is True only when every role has all desired replicas ready and updated and the router is ready.
 - `Progressing` is True while any role or the router is rolling out or scaling.
 - `Degraded` is True when an engine's preflight check failed (its one-line termination message is copied
-  here) or an engine container is crash-looping; it names the pod.
+  here) or an engine container is crash-looping; it names the pod. Failing that, it is True when
+  `TransportVerified` is False: the deployment serves, but KV does not move over the transport asked for
+  (`Ready` stays as it is; Degraded means "working, not as requested").
+- `TransportVerified` compares the NIXL backend every advertised engine of the deployment reports (from its
+  rendezvous) with the one requested (`spec.backend`): True when all match, False naming the engines that
+  differ, Unknown while nothing is known (no engines yet, transport not reported yet, rendezvous unreachable,
+  or a vendor connector without the plugin).
 - A condition's lastTransitionTime changes only when its status changes, so an unchanged world yields an
   identical status and the operator writes nothing.
 """
@@ -42,11 +48,31 @@ class PodProblem:
 
 
 @dataclass(frozen=True)
+class EngineTransport:
+    """One advertised engine's reported NIXL backend(s): "UCX", "LIBFABRIC", several joined by "+", or None."""
+
+    engine: str  # its pod name, else its engine id
+    role: str
+    transport: str | None
+
+
+@dataclass(frozen=True)
+class TransportReport:
+    """The operator's last answer from a deployment's rendezvous: the engines advertised there, or why the
+    rendezvous could not be read (`error`, a short stable text: the condition message must not churn)."""
+
+    url: str
+    engines: tuple[EngineTransport, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Observed:
     prefill: WorkloadState = field(default_factory=WorkloadState)
     decode: WorkloadState = field(default_factory=WorkloadState)
     router: WorkloadState = field(default_factory=WorkloadState)
     problems: tuple[PodProblem, ...] = ()
+    transport: TransportReport | None = None  # None: the rendezvous has not been asked yet
 
 
 def workload_state(obj: dict[str, Any] | None) -> WorkloadState:
@@ -83,14 +109,90 @@ def pod_problems(pod: dict[str, Any]) -> list[PodProblem]:
     return out
 
 
-def _cond(ctype: str, ok: bool, reason: str, message: str, generation: int,
+def _cond(ctype: str, ok: bool | str, reason: str, message: str, generation: int,
           previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
-    status = "True" if ok else "False"
+    status = ok if isinstance(ok, str) else ("True" if ok else "False")
     prev = previous.get(ctype)
     since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get("lastTransitionTime") \
         else now
     return {"type": ctype, "status": status, "reason": reason, "message": message,
             "lastTransitionTime": since, "observedGeneration": generation}
+
+
+TRANSPORT_VERIFIED = "TransportVerified"
+MAX_NAMED_ENGINES = 4
+
+
+def _engines(items: list[EngineTransport]) -> str:
+    names = sorted(e.engine for e in items)
+    shown = ", ".join(names[:MAX_NAMED_ENGINES])
+    more = f" and {len(names) - MAX_NAMED_ENGINES} more" if len(names) > MAX_NAMED_ENGINES else ""
+    return f"engine{'s' if len(names) > 1 else ''} {shown}{more}"
+
+
+def backends_of(transport: str) -> frozenset[str]:
+    """The set of backends in an advertised transport ("UCX", "LIBFABRIC+UCX", ...), case as reported."""
+    return frozenset(t for t in transport.split("+") if t)
+
+
+def transport_verdict(spec: DisaggregatedInferenceSpec, report: TransportReport | None) -> tuple[str, str, str]:
+    """(status, reason, message) of the TransportVerified condition. Pure: the report is what the operator last
+    read from the deployment's rendezvous.
+
+    An engine matches when the backends it reports are exactly the requested one (`spec.backend`): an engine
+    that also runs another backend may move KV over that one. Any mismatch makes the condition False; else
+    any engine not reporting yet makes it Unknown; True needs at least one engine, all matching."""
+    expected = spec.backend
+    if not spec.uses_plugin:
+        return ("Unknown", "PluginNotUsed", f"connector {spec.connector} is not one the disagg plugin wraps, so its "
+                "engines do not report their transport")
+    if report is None:
+        return "Unknown", "AwaitingRendezvous", "the deployment's rendezvous has not been asked yet"
+    if report.error is not None:
+        return ("Unknown", "RendezvousUnreachable",
+                f"cannot read the engines' transport from the rendezvous at {report.url}: {report.error}")
+    if not report.engines:
+        return ("Unknown", "NoEnginesReported",
+                f"no engine of this deployment is advertised in its rendezvous yet (requested {expected})")
+    by_transport: dict[str, list[EngineTransport]] = {}
+    unreported: list[EngineTransport] = []
+    for e in report.engines:
+        if e.transport is None or not backends_of(e.transport):
+            unreported.append(e)
+        elif backends_of(e.transport) != {expected}:
+            by_transport.setdefault(e.transport, []).append(e)
+    if by_transport:
+        parts = []
+        for transport, engines in sorted(by_transport.items()):
+            verb = "reports" if len(engines) == 1 else "report"
+            part = f"{_engines(engines)} {verb} {transport}, but {expected} was requested"
+            got = backends_of(transport)
+            if expected == "LIBFABRIC" and "LIBFABRIC" not in got and "UCX" in got:
+                part += (": KV moves over TCP instead of EFA (NIXL falls back to UCX silently when its LIBFABRIC "
+                         "backend cannot start)")
+            elif expected in got:
+                part += f": KV may move over {'+'.join(sorted(got - {expected}))} instead"
+            parts.append(part)
+        return "False", "TransportMismatch", "; ".join(parts)
+    if unreported:
+        return ("Unknown", "TransportNotReported",
+                f"{_engines(unreported)} {'has' if len(unreported) == 1 else 'have'} not reported a transport yet "
+                f"(requested {expected})")
+    n = len(report.engines)
+    return ("True", "TransportMatches",
+            f"{'the' if n == 1 else f'all {n}'} advertised engine{'s' if n > 1 else ''} report{'s' if n == 1 else ''} "
+            f"{expected}, as requested")
+
+
+def transport_event(before: str | None, after: dict[str, Any]) -> tuple[str, str, str] | None:
+    """The Event to record when TransportVerified goes from status `before` to `after`: a Warning on every
+    transition to False, a Normal event on every transition to True, nothing otherwise (Unknown is no news)."""
+    status = after["status"]
+    if status == before or status == "Unknown":
+        return None
+    if status == "False":
+        return "Warning", after["reason"], after["message"]
+    return "Normal", after["reason"], after["message"]
 
 
 def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: Observed, endpoint: str,
@@ -107,11 +209,15 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
     if spec.router.replicas and not observed.router.settled:
         pending.append(f"router {observed.router.ready}/{spec.router.replicas} ready")
 
+    t_status, t_reason, t_message = transport_verdict(spec, observed.transport)
+    transport = _cond(TRANSPORT_VERIFIED, t_status, t_reason, t_message, generation, prev_conds, now)
     if observed.problems:
         p = observed.problems[0]
         more = f" (+{len(observed.problems) - 1} more)" if len(observed.problems) > 1 else ""
         degraded = _cond("Degraded", True, p.reason, f"{p.role} pod {p.pod}: {p.message}{more}", generation,
                          prev_conds, now)
+    elif t_status == "False":
+        degraded = _cond("Degraded", True, t_reason, t_message, generation, prev_conds, now)
     else:
         degraded = _cond("Degraded", False, "AsExpected", "no engine failures observed", generation, prev_conds, now)
     progressing = _cond("Progressing", bool(pending), "RollingOut" if pending else "Settled",
@@ -129,7 +235,7 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
 
     return {
         "observedGeneration": generation,
-        "conditions": [ready, progressing, degraded],
+        "conditions": [ready, progressing, degraded, transport],
         "prefill": role_status("prefill"),
         "decode": role_status("decode"),
         "prefillReady": f"{observed.prefill.ready}/{spec.prefill.replicas}",

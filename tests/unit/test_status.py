@@ -4,8 +4,10 @@ from __future__ import annotations
 import asyncio
 
 from disagg.operator.api import DisaggregatedInferenceSpec
-from disagg.operator.reconciler import Coalescer
-from disagg.operator.status import Observed, PodProblem, WorkloadState, compute_status, pod_problems, workload_state
+from disagg.operator.builders import OperatorImages
+from disagg.operator.reconciler import Coalescer, Reconciler
+from disagg.operator.status import (EngineTransport, Observed, PodProblem, TransportReport, WorkloadState,
+                                    compute_status, pod_problems, transport_event, transport_verdict, workload_state)
 
 SPEC = DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {"profile": "nvidia-h200"},
                                                   "prefill": {"replicas": 2}})
@@ -83,3 +85,104 @@ def test_coalescer_runs_one_pass_at_a_time_at_the_strongest_level():
         return runs
 
     assert asyncio.run(scenario()) == [False, True]
+
+
+# ---- TransportVerified -------------------------------------------------------------------------------------
+EFA_SPEC = SPEC  # nvidia-h200 with efa auto: LIBFABRIC requested
+TCP_SPEC = DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {
+    "profile": "nvidia-h200", "efa": "off"}})
+URL = "http://127.0.0.1:9/"
+
+
+def report(*engines: tuple[str, str, str | None]) -> TransportReport:
+    return TransportReport(url=URL, engines=tuple(EngineTransport(n, r, t) for n, r, t in engines))
+
+
+def with_transport(rep: TransportReport | None) -> Observed:
+    return Observed(prefill=SETTLED.prefill, decode=SETTLED.decode, router=SETTLED.router, transport=rep)
+
+
+def test_libfabric_requested_ucx_reported_is_a_mismatch_that_says_tcp():
+    assert EFA_SPEC.backend == "LIBFABRIC"
+    st = compute_status(EFA_SPEC, 1, with_transport(report(("m-prefill-0", "prefill", "UCX"),
+                                                            ("m-decode-0", "decode", "UCX"))), "e", None, "t1")
+    t = conds(st)["TransportVerified"]
+    assert (t["status"], t["reason"]) == ("False", "TransportMismatch")
+    assert t["message"].startswith("engines m-decode-0, m-prefill-0 report UCX, but LIBFABRIC was requested")
+    assert "KV moves over TCP instead of EFA" in t["message"]
+    # Serving still works, only not as requested: Degraded says so, Ready does not change.
+    assert conds(st)["Degraded"]["status"] == "True" and conds(st)["Degraded"]["reason"] == "TransportMismatch"
+    assert conds(st)["Degraded"]["message"] == t["message"]
+    assert conds(st)["Ready"]["status"] == "True"
+
+
+def test_every_engine_reporting_the_requested_backend_verifies():
+    st = compute_status(EFA_SPEC, 1, with_transport(report(("a-0", "prefill", "LIBFABRIC"),
+                                                            ("b-0", "decode", "LIBFABRIC"))), "e", None, "t1")
+    t = conds(st)["TransportVerified"]
+    assert (t["status"], t["reason"]) == ("True", "TransportMatches")
+    assert t["message"] == "all 2 advertised engines report LIBFABRIC, as requested"
+    assert conds(st)["Degraded"]["status"] == "False"
+    tcp = transport_verdict(TCP_SPEC, report(("a-0", "prefill", "UCX")))
+    assert tcp == ("True", "TransportMatches", "the advertised engine reports UCX, as requested")
+
+
+def test_mismatch_messages_group_engines_by_what_they_report():
+    status, reason, message = transport_verdict(TCP_SPEC, report(("a-0", "prefill", "LIBFABRIC"),
+                                                                 ("b-0", "decode", "UCX")))
+    assert (status, reason) == ("False", "TransportMismatch")
+    assert message == "engine a-0 reports LIBFABRIC, but UCX was requested", "the TCP warning is for EFA only"
+    # Exactly the requested backend: an engine that also runs another may move KV over that one.
+    _, _, extra = transport_verdict(EFA_SPEC, report(("a-0", "prefill", "UCX+LIBFABRIC")))
+    assert extra == "engine a-0 reports UCX+LIBFABRIC, but LIBFABRIC was requested: KV may move over UCX instead"
+    many = [(f"p-{i}", "prefill", "UCX") for i in range(6)] + [("d-0", "decode", "LIBFABRIC"), ("d-1", "decode", None)]
+    status, _, message = transport_verdict(EFA_SPEC, report(*many))
+    assert status == "False", "a mismatch outweighs engines that have not reported"
+    assert message.startswith("engines p-0, p-1, p-2, p-3 and 2 more report UCX, but LIBFABRIC was requested")
+
+
+def test_transport_unknown_until_something_is_known():
+    def verdict(spec, rep):
+        return transport_verdict(spec, rep)[:2]
+
+    assert verdict(EFA_SPEC, None) == ("Unknown", "AwaitingRendezvous")
+    unreachable = TransportReport(url=URL, error="connection failed")
+    status, reason, message = transport_verdict(EFA_SPEC, unreachable)
+    assert (status, reason) == ("Unknown", "RendezvousUnreachable") and URL in message and "connection failed" in message
+    assert verdict(EFA_SPEC, report()) == ("Unknown", "NoEnginesReported")
+    status, reason, message = transport_verdict(EFA_SPEC, report(("a-0", "prefill", "LIBFABRIC"),
+                                                                 ("b-0", "decode", None)))
+    assert (status, reason) == ("Unknown", "TransportNotReported")
+    assert message == "engine b-0 has not reported a transport yet (requested LIBFABRIC)"
+    vendor = DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {"profile": "trainium2"},
+                                                        "kvTransfer": {"mode": "pull",
+                                                                       "connector": "NeuronNixlConnector"}})
+    assert verdict(vendor, report(("a-0", "prefill", "UCX"))) == ("Unknown", "PluginNotUsed")
+    st = compute_status(EFA_SPEC, 1, with_transport(unreachable), "e", None, "t")
+    assert conds(st)["Degraded"]["status"] == "False", "not knowing is not degraded"
+
+
+def test_transport_condition_is_stable_and_events_fire_once_per_transition():
+    ucx = with_transport(report(("a-0", "prefill", "UCX")))
+    first = compute_status(EFA_SPEC, 1, ucx, "e", None, "t1")
+    assert compute_status(EFA_SPEC, 1, ucx, "e", first, "t2") == first
+    fixed = compute_status(EFA_SPEC, 1, with_transport(report(("a-0", "prefill", "LIBFABRIC"))), "e", first, "t3")
+    assert conds(fixed)["TransportVerified"]["lastTransitionTime"] == "t3"
+    assert conds(fixed)["Degraded"]["lastTransitionTime"] == "t3"
+
+    bad, good = conds(first)["TransportVerified"], conds(fixed)["TransportVerified"]
+    assert transport_event(None, bad) == ("Warning", "TransportMismatch", bad["message"])
+    assert transport_event("Unknown", bad)[0] == "Warning"
+    assert transport_event("False", bad) is None
+    assert transport_event("False", good) == ("Normal", "TransportMatches", good["message"])
+    assert transport_event("True", {"status": "Unknown", "reason": "RendezvousUnreachable", "message": ""}) is None
+
+    # The reconciler remembers what it published: a second pass reading a status that lags its own write must
+    # not repeat the Warning; a restarted operator takes the stored status as its memory.
+    rec = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
+    key = ("ns", "m")
+    unknown = compute_status(EFA_SPEC, 1, with_transport(None), "e", None, "t0")
+    assert rec.transport_event(key, unknown, first)[0] == "Warning"
+    assert rec.transport_event(key, unknown, first) is None
+    assert rec.transport_event(key, first, fixed)[0] == "Normal"
+    assert Reconciler(None, OperatorImages()).transport_event(key, first, first) is None  # type: ignore[arg-type]

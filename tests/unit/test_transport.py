@@ -1,0 +1,157 @@
+"""The operator's reader of each deployment's rendezvous (operator/transport.py), against a real rendezvous
+server on 127.0.0.1 and against addresses that never answer. No cluster."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from typing import AsyncIterator
+
+import pytest
+
+from disagg.connector.rendezvous import RendezvousServer, TokenAuth
+from disagg.connector.rendezvous_client import RendezvousClient
+from disagg.operator import names, run
+from disagg.operator.status import EngineTransport, TransportReport
+from disagg.operator.transport import DEFAULT_TEMPLATE, TransportPoller, check_template
+from support.rendezvous import advert, run_async
+
+TOKEN = "t0ken"
+KEY = ("ml", "qwen")
+
+
+@contextlib.asynccontextmanager
+async def rendezvous() -> AsyncIterator[tuple[str, RendezvousClient]]:
+    server = RendezvousServer(auth=TokenAuth(TOKEN), heartbeat_seconds=1)
+    url = await server.start("127.0.0.1", 0)
+    client = RendezvousClient(url, token=TOKEN)
+    try:
+        yield url, client
+    finally:
+        await client.close()
+        await server.stop()
+
+
+@contextlib.asynccontextmanager
+async def silent_server() -> AsyncIterator[int]:
+    """Accepts connections and never answers: a rendezvous that hangs."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_default_template_is_the_in_cluster_service():
+    assert DEFAULT_TEMPLATE == run.DEFAULT_RENDEZVOUS_TEMPLATE
+    assert DEFAULT_TEMPLATE.format(name="qwen", namespace="ml") == names.rendezvous_url("qwen", "ml")
+    assert check_template("http://127.0.0.1:8080") == "http://127.0.0.1:8080", "placeholders are optional"
+    for bad in ("http://{cr}.svc", "{name}-rendezvous:8080", "http://{0}"):
+        with pytest.raises(ValueError, match="rendezvous-url-template"):
+            check_template(bad)
+
+
+@run_async(30)
+async def test_reports_this_deployments_engines_and_calls_back_only_on_change():
+    changes: list[tuple[str, str]] = []
+
+    async def on_change(key):
+        changes.append(key)
+
+    async with rendezvous() as (url, writer):
+        poller = TransportPoller(url, on_change=on_change)
+        try:
+            empty = await poller.refresh(KEY)
+            assert empty == TransportReport(url=url, engines=()) and changes == [KEY]
+            await writer.register(advert("qwen-prefill-0-u1", deployment="qwen", pod_name="qwen-prefill-0",
+                                         transport="UCX"))
+            await writer.register(advert("qwen-decode-0-u2", role="decode", deployment="qwen", transport=None))
+            await writer.register(advert("other-prefill-0-u3", deployment="other", transport="UCX"))
+            got = await poller.refresh(KEY)
+            assert got.error is None
+            assert got.engines == (EngineTransport("qwen-decode-0-u2", "decode", None),
+                                   EngineTransport("qwen-prefill-0", "prefill", "UCX")), \
+                "only this deployment's engines, named by pod when known"
+            assert poller.report(KEY) == got and changes == [KEY, KEY]
+            await poller.refresh(KEY)
+            assert changes == [KEY, KEY], "an unchanged answer triggers nothing"
+            await writer.register(advert("qwen-decode-0-u2", role="decode", deployment="qwen",
+                                         transport="LIBFABRIC"))
+            assert (await poller.refresh(KEY)).engines[0].transport == "LIBFABRIC" and len(changes) == 3
+        finally:
+            await poller.close()
+
+
+@run_async(30)
+async def test_an_unreachable_rendezvous_is_an_answer_and_never_blocks_the_caller():
+    changes: list[tuple[str, str]] = []
+
+    async def on_change(key):
+        changes.append(key)
+
+    refused = TransportPoller(f"http://127.0.0.1:{closed_port()}", timeout=2, on_change=on_change)
+    try:
+        rep = await refused.refresh(KEY)
+        assert rep.error == "connection failed" and rep.engines == () and changes == [KEY]
+        await refused.refresh(KEY)
+        assert changes == [KEY], "the same failure again is no change: no status pass, no write"
+    finally:
+        await refused.close()
+
+    async with silent_server() as port:
+        hung = TransportPoller(f"http://127.0.0.1:{port}", timeout=0.5, interval=60)
+        try:
+            t0 = time.monotonic()
+            hung.request(KEY)  # what a status pass does: start a refresh, read the cache
+            assert hung.report(KEY) is None
+            assert time.monotonic() - t0 < 0.05, "a pass never waits for the rendezvous"
+            async with asyncio.timeout(5):
+                while hung.report(KEY) is None:
+                    await asyncio.sleep(0.02)  # a background task, observable only by polling its result
+            assert hung.report(KEY).error == "no answer in time"
+            assert time.monotonic() - t0 < 2, "bounded by the timeout"
+            polls = hung.polls
+            hung.request(KEY)
+            assert not hung._tasks and hung.polls == polls, "a recent answer is reused until the interval passes"
+            hung.request(KEY, force=True)
+            assert KEY in hung._tasks
+        finally:
+            await hung.close()
+
+
+@run_async(30)
+async def test_something_else_answering_is_reported_by_status():
+    async with rendezvous() as (url, _):
+        wrong = TransportPoller(url + "/not-the-rendezvous")
+        try:
+            assert (await wrong.refresh(KEY)).error.startswith("HTTP 404")
+        finally:
+            await wrong.close()
+
+
+@run_async(30)
+async def test_forget_drops_a_deleted_deployment():
+    async with rendezvous() as (url, _):
+        poller = TransportPoller(url)
+        try:
+            await poller.refresh(KEY)
+            assert poller.report(KEY) is not None
+            assert poller.keys() == {KEY}
+            poller.forget(KEY)
+            assert poller.report(KEY) is None and KEY not in poller._clients and poller.keys() == set()
+        finally:
+            await poller.close()
