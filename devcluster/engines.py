@@ -19,6 +19,7 @@ from pathlib import Path
 from .cluster import die_with_parent, free_port
 
 PUSH, PULL = "NixlPushConnector", "NixlConnector"
+PLUGIN_MODULE = "disagg.connector.plugin"
 SUPERVISOR = str(Path(__file__).resolve().parent / "supervise.py")
 
 
@@ -36,14 +37,20 @@ class EngineSpec:
     max_model_len: int = 8192
     block_size: int = 128
     extra_env: dict[str, str] = field(default_factory=dict)
+    plugin_dir: Path | None = None
+    """A directory made by `disagg install-plugin`: the engine loads the disagg connector plugin from it (as an
+    engine pod does from its init container's volume). None: vLLM's connector alone."""
 
     def kv_transfer_config(self) -> dict | None:
         if self.role is None:
             return None
-        return {"kv_connector": PUSH if self.mode == "push" else PULL,
-                "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
-                "kv_buffer_device": "cpu", "engine_id": self.engine_id,
-                "kv_connector_extra_config": {"backends": ["UCX"]}}
+        cfg = {"kv_connector": PUSH if self.mode == "push" else PULL,
+               "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
+               "kv_buffer_device": "cpu", "engine_id": self.engine_id,
+               "kv_connector_extra_config": {"backends": ["UCX"]}}
+        if self.plugin_dir is not None:
+            cfg["kv_connector_module_path"] = PLUGIN_MODULE
+        return cfg
 
 
 class EngineFailed(RuntimeError):
@@ -83,6 +90,8 @@ class LocalEngine:
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+            **({"PYTHONPATH": str(s.plugin_dir), "DISAGG_ENGINE_ID": s.engine_id, "DISAGG_HTTP_PORT": str(s.port),
+                "DISAGG_ROLE": s.role or "", "DISAGG_KV_MODE": s.mode} if s.plugin_dir is not None else {}),
             **s.extra_env,
         }
         with self.log.open("ab") as out:

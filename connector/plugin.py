@@ -1,0 +1,166 @@
+"""The disagg KV connector plugin for vLLM: vLLM's own NIXL connectors, plus advertisement and peer pre-warming.
+
+vLLM loads it through `kv_transfer_config.kv_connector_module_path = "disagg.connector.plugin"`. The classes
+keep vLLM's names (`NixlPushConnector`, `NixlConnector`, `NixlPullConnector`) on purpose: vLLM checks connector
+*names* in several places (`has_connector("NixlConnector")`), and an engine with the plugin must behave exactly
+like one without it. Everything the plugin adds is beside the transfer path, never in it:
+
+- scheduler side (the engine-core process): once the workers have registered their KV caches, advertise this
+  engine to the rendezvous (`plugin_advertiser`), including every rank's NIXL handshake payload, and renew
+  the lease until shutdown;
+- worker side (each worker process): watch the rendezvous and load compatible peers' NIXL agents before any
+  request needs them (`plugin_prewarm`), and drop them when the peer's entry goes away.
+
+A rendezvous that is missing, slow or down never blocks or fails the engine: both sides run in their own
+threads, and vLLM's lazy side-channel handshake stays the fallback.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nixl
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
+
+from .plugin_advertiser import EngineAdvertiser
+from .plugin_prewarm import PeerPrewarmer
+from .plugin_settings import PluginSettings
+
+log = logging.getLogger("disagg.plugin")
+
+
+def _log_like_vllm() -> None:
+    """Send the plugin's (and its rendezvous client's) `disagg.*` log records through vLLM's handlers, so they
+    land in the engine log in vLLM's format. vLLM configures only its own `vllm` logger."""
+    ours, theirs = logging.getLogger("disagg"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
+_log_like_vllm()  # vLLM configures its logger on import, before it imports connector modules
+
+
+@dataclasses.dataclass
+class _PayloadWithTransport(NixlHandshakePayload):
+    """What a worker hands its scheduler: vLLM's handshake payload plus the NIXL backends the worker really
+    instantiated (only the worker process knows them). The scheduler strips the extra field before vLLM
+    serves the payload to peers, so the wire format stays vLLM's."""
+
+    transport: str | None = None
+
+
+class _DisaggMixin:
+    """The plugin's additions, shared by the push and pull connectors. Requires a NixlBaseConnector."""
+
+    def _disagg_init(self, vllm_config: Any, role: KVConnectorRole) -> None:
+        self._disagg = PluginSettings.from_vllm(vllm_config)
+        self._advertiser: EngineAdvertiser | None = None
+        self._prewarmer: PeerPrewarmer | None = None
+        self._is_worker = role == KVConnectorRole.WORKER
+        if self._disagg.rendezvous_url is None and role == KVConnectorRole.SCHEDULER:
+            log.info("disagg plugin: no $DISAGG_RENDEZVOUS_URL; not advertising, peers handshake lazily")
+
+    # -- worker side --------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)  # type: ignore[misc]
+        worker = self.connector_worker  # type: ignore[attr-defined]
+        self._disagg.transport = "+".join(worker.nixl_wrapper.backends) or None
+        if self._disagg.rendezvous_url is not None and self._prewarmer is None:
+            self._prewarmer = PeerPrewarmer(worker, self._disagg)
+            self._prewarmer.start()
+
+    def get_handshake_metadata(self) -> Any:
+        payload = super().get_handshake_metadata()  # type: ignore[misc]
+        if isinstance(payload, NixlHandshakePayload):
+            return _PayloadWithTransport(payload.compatibility_hash, payload.agent_metadata_bytes,
+                                         transport=self._disagg.transport)
+        return payload
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._prewarmer is not None:
+            self._prewarmer.release_departed()  # the engine's main thread: where vLLM itself releases peers
+        super().start_load_kv(forward_context, **kwargs)  # type: ignore[misc]
+
+    # -- scheduler side ------------------------------------------------------------------------------------
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        transports = {m.transport for m in metadata.values() if isinstance(m, _PayloadWithTransport)}
+        plain = {rank: NixlHandshakePayload(m.compatibility_hash, m.agent_metadata_bytes)
+                 if isinstance(m, NixlHandshakePayload) else m for rank, m in metadata.items()}
+        super().set_xfer_handshake_metadata_pp_aware(plain)  # type: ignore[misc]
+        if self._disagg.rendezvous_url is None or self._advertiser is not None:
+            return
+        transport = "+".join(sorted(t for t in transports if t)) or None
+        try:
+            encoded = {rank: msgspec.msgpack.encode(m) for rank, m in plain.items()}
+            hashes = {m.compatibility_hash for m in plain.values()}
+            self._advertiser = EngineAdvertiser(self._disagg, encoded, hashes.pop() if len(hashes) == 1 else None,
+                                                transport,
+                                                self.connector_scheduler.side_channel_host,  # type: ignore[attr-defined]
+                                                self.connector_scheduler.side_channel_port)  # type: ignore[attr-defined]
+            self._advertiser.start()
+        except Exception:  # a broken advertisement must not take the engine down: peers fall back to lazy
+            log.exception("disagg plugin: cannot advertise this engine; peers will handshake lazily")
+
+    # -- both ----------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        for part in (self._advertiser, self._prewarmer):
+            if part is not None:
+                try:
+                    part.stop()
+                except Exception:
+                    log.exception("disagg plugin: stopping %s failed", type(part).__name__)
+        self._advertiser = self._prewarmer = None
+        super().shutdown()  # type: ignore[misc]
+
+
+class _KeepCpuAffinity:
+    """Undo the CPU-affinity change vLLM's NIXL worker makes on CPU platforms.
+
+    On a CPU device, vLLM's NIXL worker moves the calling thread to the last core of each NUMA node ("reserve
+    cores for KV transfer"). The calling thread is the worker's main thread, which is also the thread that runs
+    the model (OpenMP thread 0), so the engine's `VLLM_CPU_OMP_THREADS_BIND` pinning is silently replaced:
+    on a 2-core machine both engines' model threads end up on core 1 while NIXL's progress thread (created
+    just before, so still on the engine's own core) spins alone on core 0. Measured here: prefills of a few
+    hundred tokens stalled 10-40 s and push requests timed out. Restoring the engine's binding keeps each
+    engine on its own cores. A no-op wherever vLLM leaves the affinity alone (GPU and Neuron devices)."""
+
+    def __enter__(self) -> None:
+        self.before = os.sched_getaffinity(0)
+
+    def __exit__(self, *exc: object) -> None:
+        after = os.sched_getaffinity(0)
+        if after != self.before:
+            os.sched_setaffinity(0, self.before)
+            log.info("disagg plugin: vLLM's NIXL worker moved the model thread to CPUs %s; restored the engine's "
+                     "own binding %s", sorted(after), sorted(self.before))
+
+
+class NixlPushConnector(_DisaggMixin, nixl.NixlPushConnector):
+    """vLLM's push (WRITE) NIXL connector with the disagg plugin."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        with _KeepCpuAffinity():
+            super().__init__(vllm_config, role, kv_cache_config)
+        self._disagg_init(vllm_config, role)
+
+
+class NixlPullConnector(_DisaggMixin, nixl.NixlPullConnector):
+    """vLLM's pull (READ) NIXL connector with the disagg plugin."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
+        with _KeepCpuAffinity():
+            super().__init__(vllm_config, role, kv_cache_config)
+        self._disagg_init(vllm_config, role)
+
+
+NixlConnector = NixlPullConnector  # vLLM's own alias, kept for the same reason as the names
+
+__all__ = ["NixlConnector", "NixlPullConnector", "NixlPushConnector"]

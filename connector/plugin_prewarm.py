@@ -1,0 +1,207 @@
+"""Worker side of the plugin: load compatible peers' NIXL agents before a request needs them.
+
+vLLM meets a peer lazily: the first request between two engines asks the peer's side channel for its NIXL
+metadata (GET_META), loads it, then transfers. That costs from milliseconds to seconds, lands on the first
+request's critical path, and on a busy 2-core machine it can stall long enough for the request to time out.
+Here each worker follows the rendezvous and, for every compatible peer, runs vLLM's own `_ensure_handshake`
+ahead of time:
+
+- push mode: prefill loads each decode engine's agent with its KV descriptors (what a WRITE needs), and decode
+  loads each prefill engine's agent for notifications only (what PUSH_REG needs) — both straight from the
+  handshake payloads the peer advertised, without a side-channel round trip;
+- pull mode: decode handshakes with each prefill over the side channel in the background (pull needs the
+  peer's clock offset, which only that round trip measures);
+- a peer whose entry is deleted or expires is released on the engine's main thread, like vLLM releases peers.
+
+The one hook into vLLM: the worker's `_nixl_handshake` is replaced on the instance by `_handshake`, which uses
+the advertised payload when there is one and calls vLLM's original otherwise. Everything else (futures, locks,
+agent bookkeeping, the single handshake thread) is vLLM's.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from .advertisement import EngineAdvertisement, WatchEvent
+from .plugin_advertiser import decode_kv_metadata
+from .plugin_settings import PluginSettings
+from .rendezvous_client import EngineCache, RendezvousClient
+
+log = logging.getLogger("disagg.plugin")
+
+
+class PeerPrewarmer:
+    def __init__(self, worker: Any, settings: PluginSettings) -> None:
+        self.worker = worker
+        self.settings = settings
+        self.peers: dict[str, EngineAdvertisement] = {}
+        self.counts = {"from_advertisement": 0, "side_channel": 0, "released": 0, "failed": 0}
+        self._lock = threading.Lock()
+        self._departed: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._side_channel_handshake = worker._nixl_handshake
+        worker._nixl_handshake = self._handshake
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- following the rendezvous (own thread, own event loop) --------------------------------------------
+    def start(self) -> None:
+        ready = threading.Event()
+
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            s = self.settings
+            client = RendezvousClient(s.rendezvous_url or "", token=s.token, token_file=s.token_file, timeout=5.0)
+            cache = EngineCache()
+            cache.listeners.append(self._on_event)
+            self._task = asyncio.current_task()
+            ready.set()
+            try:
+                await cache.follow(client)
+            finally:
+                await client.close()
+
+        def run() -> None:
+            try:
+                asyncio.run(main())
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # the engine keeps serving on lazy handshakes
+                log.exception("disagg plugin: rendezvous watch ended")
+
+        self._thread = threading.Thread(target=run, name="disagg-peer-prewarm", daemon=True)
+        self._thread.start()
+        ready.wait(5)
+        log.info("disagg plugin: %s engine %s follows %s for %s peers", self.settings.role,
+                 self.settings.engine_id, self.settings.rendezvous_url, self._peer_role())
+
+    def stop(self) -> None:
+        if self._loop is not None and self._task is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _peer_role(self) -> str:
+        return "decode" if self.settings.role == "prefill" else "prefill"
+
+    def _on_event(self, ev: WatchEvent) -> None:
+        adv = ev.engine
+        if adv is None or not self.settings.compatible_peer(adv):
+            return
+        if ev.type in ("ADDED", "MODIFIED"):
+            with self._lock:
+                self.peers[adv.engine_id] = adv
+            self._prewarm(adv)
+        else:
+            with self._lock:
+                self.peers.pop(adv.engine_id, None)
+            self._departed.put(adv.engine_id)
+
+    def _prewarm(self, adv: EngineAdvertisement) -> None:
+        s = self.settings
+        if s.kv_mode == "pull" and s.role != "decode":
+            return  # a pull prefill never loads its readers' agents
+        notif_only = s.kv_mode == "push" and s.role == "decode"
+        t0 = time.perf_counter()
+        fut = self.worker._ensure_handshake(adv.engine_id, adv.side_channel_host, adv.side_channel_port,
+                                            adv.tp_size, pp_size=adv.pp_size, notif_agents_only=notif_only)
+        if fut is None:
+            return  # already loaded
+
+        def done(f: Any) -> None:
+            if f.exception() is not None:
+                self.counts["failed"] += 1
+                log.warning("disagg plugin: pre-warming %s engine %s failed (lazy handshake stays the fallback): "
+                            "%s", adv.role, adv.engine_id, f.exception())
+            else:
+                log.info("disagg plugin: pre-warmed %s engine %s in %.1f ms", adv.role, adv.engine_id,
+                         (time.perf_counter() - t0) * 1000)
+        fut.add_done_callback(done)
+
+    # -- the hook: runs on vLLM's handshake thread ---------------------------------------------------------
+    def _handshake(self, host: str, port: int, remote_tp_size: int, expected_engine_id: str,
+                   remote_dcp_size: int = 1, remote_pp_size: int = 1,
+                   notif_agents_only: bool = False) -> tuple[dict[tuple[int, int], str], float]:
+        with self._lock:
+            adv = self.peers.get(expected_engine_id)
+        payloads = decode_kv_metadata(adv.kv_metadata) if adv is not None and self.settings.kv_mode == "push" \
+            else None
+        if payloads is not None:
+            try:
+                agents = self._load_advertised(payloads, remote_tp_size, expected_engine_id, remote_dcp_size,
+                                               remote_pp_size, notif_agents_only)
+                self.counts["from_advertisement"] += 1
+                log.info("disagg plugin: loaded %s engine %s's NIXL agent from its advertisement (%d rank(s), "
+                         "no side-channel handshake)", adv.role, expected_engine_id, len(agents))  # type: ignore
+                # Push never reads the clock offset (pull's is measured by the side-channel round trip).
+                return agents, 0.0
+            except _MissingRank as e:
+                log.info("disagg plugin: %s; using the side channel", e)
+        self.counts["side_channel"] += 1
+        log.info("disagg plugin: side-channel handshake with engine %s at %s:%d", expected_engine_id, host, port)
+        return self._side_channel_handshake(host, port, remote_tp_size, expected_engine_id, remote_dcp_size,
+                                            remote_pp_size, notif_agents_only)
+
+    def _load_advertised(self, payloads: dict[tuple[int, int], bytes], remote_tp_size: int, engine_id: str,
+                         remote_dcp_size: int, remote_pp_size: int,
+                         notif_agents_only: bool) -> dict[tuple[int, int], str]:
+        """vLLM's `_nixl_handshake` with the payloads taken from the advertisement instead of GET_META."""
+        import msgspec
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+            NixlAgentMetadata, NixlHandshakePayload)
+        from vllm.platforms import current_platform
+
+        w = self.worker
+        if w._is_csa_linear:
+            w._validate_csa_linear_tp_layout(remote_tp_size)
+        if not w.use_host_buffer:
+            current_platform.set_device(w.device_id)  # the same reason as vLLM: a device context on this thread
+        targets = [(pp, tp) for pp in range(remote_pp_size)
+                   for tp in w.transfer_topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)]
+        missing = [t for t in targets if t not in payloads]
+        if missing:
+            raise _MissingRank(f"engine {engine_id}'s advertisement lacks ranks {missing}")
+        agents: dict[tuple[int, int], str] = {}
+        for pp, tp in targets:
+            payload = msgspec.msgpack.decode(payloads[(pp, tp)], type=NixlHandshakePayload)
+            if w.enforce_compat_hash and payload.compatibility_hash != w.compat_hash:
+                raise RuntimeError(f"NIXL compatibility hash mismatch with engine {engine_id}: local "
+                                   f"{w.compat_hash}, advertised {payload.compatibility_hash}")
+            meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+            w._validate_remote_parallel_config(meta)
+            if meta.engine_id != engine_id:
+                raise RuntimeError(f"advertised NIXL agent belongs to engine {meta.engine_id}, not {engine_id}")
+            agents[(pp, tp)] = (w._add_notif_only_remote_agent(meta, remote_tp_size, meta.dcp_size)
+                                if notif_agents_only else w.add_remote_agent(meta, tp, remote_tp_size, meta.dcp_size))
+        for name in agents.values():
+            try:  # set up the transport endpoint now rather than on the first transfer
+                w.nixl_wrapper.make_connection(name)
+            except Exception as e:
+                log.info("disagg plugin: make_connection(%s) failed: %s (connects on first use)", name, e)
+        return agents
+
+    # -- releasing departed peers: the engine's main thread ------------------------------------------------
+    def release_departed(self) -> None:
+        w = self.worker
+        while True:
+            try:
+                engine_id = self._departed.get_nowait()
+            except queue.Empty:
+                return
+            with self._lock:
+                if engine_id in self.peers:
+                    continue  # it came back
+            with w._handshake_lock:
+                loaded = engine_id in w._remote_agents and engine_id not in w._handshake_futures
+            if loaded:
+                w._cleanup_remote_engine(engine_id, log_eviction=False)
+                self.counts["released"] += 1
+                log.info("disagg plugin: released NIXL agent of departed engine %s", engine_id)
+
+
+class _MissingRank(Exception):
+    pass

@@ -1,0 +1,69 @@
+"""What the plugin needs to know about its engine: vLLM's config plus the env the operator (or a local run) sets.
+
+Kept free of vLLM imports so it is testable anywhere; `from_vllm` only reads attributes of the config object.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .rendezvous_client import HEARTBEAT_ENV, TOKEN_ENV, TOKEN_FILE_ENV, URL_ENV, heartbeat_from_env
+
+PUSH_CONNECTORS = frozenset({"NixlPushConnector"})
+KV_ROLE_TO_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode"}
+KV_METADATA_FORMAT = "vllm-nixl-handshake-v1"
+"""`kv_metadata.format` of advertisements: per rank, the msgpack NixlHandshakePayload that vLLM's side channel
+would serve (GET_META), base64-encoded."""
+
+
+@dataclass
+class PluginSettings:
+    engine_id: str
+    role: str | None
+    kv_mode: str
+    deployment: str
+    layout_key: str
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    block_size: int
+    http_port: int
+    rendezvous_url: str | None
+    token: str | None
+    token_file: str | None
+    heartbeat_seconds: float
+    env: Mapping[str, str]
+    transport: str | None = None
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, env: Mapping[str, str] = os.environ) -> PluginSettings:
+        kv = vllm_config.kv_transfer_config
+        par = vllm_config.parallel_config
+        block_size = int(vllm_config.cache_config.block_size)
+        mode = "push" if kv.kv_connector in PUSH_CONNECTORS else "pull"
+        model = getattr(vllm_config.model_config, "model", "") or ""
+        dtype = str(getattr(vllm_config.model_config, "dtype", ""))
+        return cls(
+            engine_id=kv.engine_id,
+            role=env.get("DISAGG_ROLE") or KV_ROLE_TO_ROLE.get(kv.kv_role),
+            kv_mode=mode,
+            deployment=env.get("DISAGG_DEPLOYMENT") or "local",
+            # Without the operator's key, derive one from what must match between paired engines.
+            layout_key=env.get("DISAGG_LAYOUT_KEY") or "local-" + hashlib.sha256(
+                f"{model}|{dtype}|{block_size}|{mode}".encode()).hexdigest()[:16],
+            tp_size=int(par.tensor_parallel_size), pp_size=int(par.pipeline_parallel_size),
+            dp_size=int(par.data_parallel_size), block_size=block_size,
+            http_port=int(env.get("DISAGG_HTTP_PORT") or 8000),
+            rendezvous_url=env.get(URL_ENV) or None, token=env.get(TOKEN_ENV) or None,
+            token_file=env.get(TOKEN_FILE_ENV) or None, heartbeat_seconds=heartbeat_from_env(env), env=env)
+
+    def compatible_peer(self, adv: Any) -> bool:
+        """A peer this engine may be paired with: the other role, same deployment, layout and transfer mode."""
+        return (adv.engine_id != self.engine_id and self.role is not None and adv.role != self.role
+                and adv.deployment == self.deployment and adv.layout_key == self.layout_key
+                and adv.kv_mode == self.kv_mode)
+
+
+__all__ = ["HEARTBEAT_ENV", "KV_METADATA_FORMAT", "PluginSettings"]

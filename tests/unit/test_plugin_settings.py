@@ -1,0 +1,82 @@
+"""The vLLM-free parts of the connector plugin: its settings, the advertised handshake metadata, the record."""
+from __future__ import annotations
+
+import base64
+from types import SimpleNamespace
+
+import pytest
+
+from disagg.connector.advertisement import EngineAdvertisement
+from disagg.connector.plugin_advertiser import build_advertisement, decode_kv_metadata, encode_kv_metadata
+from disagg.connector.plugin_settings import PluginSettings
+
+
+def vllm_config(connector="NixlPushConnector", kv_role="kv_consumer", tp=2, block=128):
+    """The attributes of vLLM's VllmConfig the plugin reads (plain data, no vLLM needed)."""
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="dec-0-uid", kv_connector=connector, kv_role=kv_role),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=block), model_config=SimpleNamespace(model="m", dtype="bfloat16"))
+
+
+OPERATOR_ENV = {"DISAGG_ROLE": "decode", "DISAGG_DEPLOYMENT": "qwen", "DISAGG_LAYOUT_KEY": "abc123",
+                "DISAGG_RENDEZVOUS_URL": "http://qwen-rendezvous:8080", "DISAGG_RENDEZVOUS_TOKEN_FILE": "/var/run/t",
+                "DISAGG_HEARTBEAT_SECONDS": "5", "DISAGG_HTTP_PORT": "8000", "POD_IP": "10.0.0.7",
+                "POD_NAME": "qwen-decode-0", "POD_UID": "uid"}
+
+
+def test_settings_from_the_operator_env():
+    s = PluginSettings.from_vllm(vllm_config(), OPERATOR_ENV)
+    assert (s.engine_id, s.role, s.kv_mode, s.deployment, s.layout_key) == ("dec-0-uid", "decode", "push", "qwen",
+                                                                           "abc123")
+    assert (s.tp_size, s.block_size, s.http_port, s.heartbeat_seconds) == (2, 128, 8000, 5.0)
+    assert (s.rendezvous_url, s.token, s.token_file) == ("http://qwen-rendezvous:8080", None, "/var/run/t")
+
+
+def test_local_settings_derive_role_mode_and_a_layout_key():
+    push = PluginSettings.from_vllm(vllm_config(kv_role="kv_producer"), {})
+    pull = PluginSettings.from_vllm(vllm_config("NixlConnector", "kv_producer"), {})
+    assert (push.role, push.kv_mode, pull.kv_mode) == ("prefill", "push", "pull")
+    assert push.rendezvous_url is None and push.deployment == "local"
+    # Engines that must not be paired (push vs pull, another block size) get different keys.
+    other_block = PluginSettings.from_vllm(vllm_config(kv_role="kv_producer", block=16), {})
+    assert len({push.layout_key, pull.layout_key, other_block.layout_key}) == 3
+
+
+def test_kv_metadata_round_trips_and_rejects_anything_else():
+    payloads = {(0, 0): b"\x81\xa1a\x01", (0, 1): b"rank1"}
+    md = encode_kv_metadata(payloads, "hash")
+    assert md["format"] == "vllm-nixl-handshake-v1" and md["compatibility_hash"] == "hash"
+    assert decode_kv_metadata(md) == payloads
+    for junk in (None, "b64", {"format": "other"}, {"format": md["format"], "ranks": {"x": "AA=="}},
+                 {"format": md["format"], "ranks": {"0,0": "not base64!"}}, {"format": md["format"], "ranks": []}):
+        assert decode_kv_metadata(junk) is None
+
+
+def test_advertisement_carries_identity_sizes_transport_and_metadata():
+    s = PluginSettings.from_vllm(vllm_config(), OPERATOR_ENV)
+    adv = build_advertisement(s, {(0, 0): b"p0", (0, 1): b"p1"}, "hash", "UCX", "10.0.0.7", 5600)
+    assert isinstance(adv, EngineAdvertisement)
+    assert (adv.role, adv.engine_id, adv.deployment, adv.pod_name, adv.pod_uid) == (
+        "decode", "dec-0-uid", "qwen", "qwen-decode-0", "uid")
+    assert (adv.http_url, adv.side_channel_host, adv.side_channel_ports) == ("http://10.0.0.7:8000", "10.0.0.7",
+                                                                             [5600])
+    assert (adv.tp_size, adv.block_size, adv.kv_mode, adv.transport, adv.lease_seconds) == (2, 128, "push", "UCX",
+                                                                                           15.0)
+    assert base64.b64decode(adv.kv_metadata["ranks"]["0,1"]) == b"p1"
+
+
+def test_an_engine_without_a_role_cannot_advertise():
+    s = PluginSettings.from_vllm(vllm_config(kv_role="kv_both"), {})
+    with pytest.raises(ValueError, match="DISAGG_ROLE"):
+        build_advertisement(s, {}, None, None, "127.0.0.1", 5600)
+
+
+def test_compatible_peers_are_the_other_role_of_the_same_deployment_layout_and_mode():
+    me = PluginSettings.from_vllm(vllm_config(kv_role="kv_producer"), {**OPERATOR_ENV, "DISAGG_ROLE": "prefill"})
+    me.engine_id = "pre-0-uid"
+    base = build_advertisement(PluginSettings.from_vllm(vllm_config(), OPERATOR_ENV), {}, None, None, "h", 1)
+    assert me.compatible_peer(base)
+    for change in ({"role": "prefill"}, {"deployment": "other"}, {"layout_key": "old"}, {"kv_mode": "pull"},
+                   {"engine_id": me.engine_id}):
+        assert not me.compatible_peer(base.model_copy(update=change)), change
