@@ -31,6 +31,8 @@ from .engine_pool import EnginePool
 
 log = logging.getLogger("disagg.router")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+PREFILL_HEADER, DECODE_HEADER = "X-Disagg-Prefill-Engine", "X-Disagg-Decode-Engine"
+"""Response headers naming the engines that served a request (with X-Request-Id, the id both legs carried)."""
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -192,7 +194,8 @@ class Router:
             self.m.decode_legs.labels(mode=self.s.mode).inc()
             if tl.decode_sent is not None and tl.decode_sent < tl.prefill_done:
                 self.m.decode_early.labels(mode=self.s.mode).inc()
-            return await self._relay(request, endpoint, resp, tl)
+            served = {"X-Request-Id": rid, PREFILL_HEADER: prefill.engine_id, DECODE_HEADER: decode.engine_id}
+            return await self._relay(request, endpoint, resp, tl, served)
         except ValueError as e:  # prefill answered without usable transfer params
             raise UpstreamFailed("prefill", prefill.engine_id, "protocol", str(e)) from e
         finally:
@@ -203,7 +206,7 @@ class Router:
             self.pool.outstanding[decode.engine_id] -= 1
 
     async def _relay(self, request: web.Request, endpoint: str, resp: aiohttp.ClientResponse,
-                     tl: Timeline) -> web.StreamResponse:
+                     tl: Timeline, served: dict[str, str]) -> web.StreamResponse:
         mode = self.s.mode
         try:
             if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -211,9 +214,9 @@ class Router:
                 tl.first_token = time.monotonic()
                 self._observe(tl)
                 self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
-                return web.Response(body=raw, status=200, content_type="application/json")
+                return web.Response(body=raw, status=200, content_type="application/json", headers=served)
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                          "Cache-Control": "no-cache"})
+                                                          "Cache-Control": "no-cache", **served})
             await out.prepare(request)
             async for chunk in resp.content.iter_any():
                 if tl.first_token is None and b"data:" in chunk:
