@@ -1,22 +1,26 @@
 """Real vLLM CPU engines for the data-plane tests: started once per module, pinned one per core.
 
-Until the connector plugin advertises engines itself, the harness registers each engine's advertisement
-with the rendezvous on its behalf, with the identity the engine really runs with.
+Engines load the disagg connector plugin from a directory made by the real `disagg install-plugin` (what an
+engine pod's init container does) and advertise themselves to the rendezvous; nothing registers on their
+behalf.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from disagg.connector.advertisement import EngineAdvertisement
-from disagg.connector.rendezvous_client import EngineRegistration, RendezvousClient
 from disagg.devcluster import tinymodel, vllm_env
 from disagg.devcluster.engines import EngineSpec, LocalEngine
 from support.engines import PROMPTS, Service, chat, completion, post, text_of
 
 TOKEN = "engine-tests-token"
-LAYOUT = "tiny-bf16-128"
+DEPLOYMENT = "tests"
+HEARTBEAT = 2
+
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
@@ -53,46 +57,41 @@ def reference(vllm_python, model, engine_logs) -> dict[tuple[str, int], str]:
 
 @pytest.fixture(scope="session")
 def rendezvous(engine_logs):
-    svc = Service("rendezvous", ["rendezvous", "--auth", "token", "--token", TOKEN, "--heartbeat-seconds", "2",
-                                 "--deployment", "tests"], engine_logs).start()
+    svc = Service("rendezvous", ["rendezvous", "--auth", "token", "--token", TOKEN, "--heartbeat-seconds",
+                                 str(HEARTBEAT), "--deployment", DEPLOYMENT], engine_logs).start()
     yield svc
     svc.stop()
 
 
-def advertise(engine: LocalEngine, mode: str) -> EngineAdvertisement:
-    s = engine.spec
-    return EngineAdvertisement(role=s.role, engine_id=s.engine_id, deployment="tests", pod_name=s.name,
-                               http_url=engine.url, side_channel_host="127.0.0.1",
-                               side_channel_ports=[s.side_channel_port], tp_size=1, pp_size=1, dp_size=1,
-                               block_size=s.block_size, layout_key=LAYOUT, kv_mode=mode, transport="UCX",
-                               lease_seconds=10)
+@pytest.fixture(scope="session")
+def plugin_dir(tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("plugin")
+    subprocess.run([str(Path(sys.executable).parent / "disagg"), "install-plugin", str(target)], check=True)
+    return target
+
+
+def plugin_env(rendezvous_url: str) -> dict[str, str]:
+    return {"DISAGG_RENDEZVOUS_URL": rendezvous_url, "DISAGG_RENDEZVOUS_TOKEN": TOKEN,
+            "DISAGG_HEARTBEAT_SECONDS": str(HEARTBEAT), "DISAGG_DEPLOYMENT": DEPLOYMENT}
 
 
 class Pair:
-    """A prefill and a decode engine, their registrations, and a router in front of them."""
+    """A prefill and a decode engine with the plugin, advertising to the rendezvous, and a router in front."""
 
-    def __init__(self, mode: str, python: Path, model: Path, logs: Path, rendezvous: Service):
+    def __init__(self, mode: str, python: Path, model: Path, logs: Path, rendezvous: Service, plugin_dir: Path):
         self.mode, self.rendezvous, self.logs = mode, rendezvous, logs
-        self.prefill = LocalEngine(EngineSpec(f"{mode}-prefill", "prefill", model, core=0, mode=mode), python, logs)
-        self.decode = LocalEngine(EngineSpec(f"{mode}-decode", "decode", model, core=1, mode=mode), python, logs)
-        self.registrations: dict[str, EngineRegistration] = {}
+        env = plugin_env(rendezvous.url)
+        self.prefill = LocalEngine(EngineSpec(f"{mode}-prefill", "prefill", model, core=0, mode=mode,
+                                              plugin_dir=plugin_dir, extra_env=env), python, logs)
+        self.decode = LocalEngine(EngineSpec(f"{mode}-decode", "decode", model, core=1, mode=mode,
+                                             plugin_dir=plugin_dir, extra_env=env), python, logs)
         self.router: Service | None = None
-
-    def register(self, engine: LocalEngine) -> None:
-        old = self.registrations.pop(engine.spec.role, None)
-        if old is not None:
-            old.stop_thread(deregister=True)
-        reg = EngineRegistration(None, advertise(engine, self.mode), heartbeat_seconds=2,
-                                 client_factory=lambda: RendezvousClient(self.rendezvous.url, token=TOKEN))
-        reg.start_thread()
-        self.registrations[engine.spec.role] = reg
 
     def start(self) -> "Pair":
         for e in (self.prefill, self.decode):
             e.start()
         for e in (self.prefill, self.decode):
             e.wait_ready()
-            self.register(e)
         self.router = self.start_router(f"{self.mode}-router", self.mode)
         return self
 
@@ -102,8 +101,6 @@ class Pair:
         return router.start(ready_path="/health")
 
     def stop(self) -> None:
-        for reg in self.registrations.values():
-            reg.stop_thread(deregister=True)
         if self.router:
             self.router.stop()
         for e in (self.prefill, self.decode):
@@ -111,8 +108,8 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def push_pair(vllm_python, model, engine_logs, rendezvous, reference):
-    pair = Pair("push", vllm_python, model, engine_logs, rendezvous)
+def push_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_dir):
+    pair = Pair("push", vllm_python, model, engine_logs, rendezvous, plugin_dir)
     try:
         yield pair.start()
     finally:
@@ -120,8 +117,8 @@ def push_pair(vllm_python, model, engine_logs, rendezvous, reference):
 
 
 @pytest.fixture(scope="module")
-def pull_pair(vllm_python, model, engine_logs, rendezvous, reference):
-    pair = Pair("pull", vllm_python, model, engine_logs, rendezvous)
+def pull_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_dir):
+    pair = Pair("pull", vllm_python, model, engine_logs, rendezvous, plugin_dir)
     try:
         yield pair.start()
     finally:

@@ -1,13 +1,59 @@
 """Disaggregated prefill/decode through the router on real vLLM engines: outputs equal a single engine's."""
 from __future__ import annotations
 
+import json
+import threading
 import time
+import urllib.request
+import uuid
 
 import pytest
 
-from support.engines import PROMPTS, Load, chat, completion, await_status, metric, post, post_raw, stream_text, text_of
+from disagg.connector import pd_protocol
+from disagg.connector.advertisement import EngineAdvertisement
+from support.engines import PROMPTS, Load, await_log, log_lines, chat, completion, await_status, metric, post, post_raw, stream_text, text_of
 
 pytestmark = pytest.mark.engines
+
+
+LAZY_HANDSHAKE = "side-channel handshake with engine"
+"""What the plugin logs when vLLM's lazy GET_META handshake runs instead of the advertised metadata."""
+
+
+def advertised(rendezvous_url: str) -> dict[str, EngineAdvertisement]:
+    with urllib.request.urlopen(rendezvous_url + "/v1/engines", timeout=5) as r:
+        return {e["engine_id"]: EngineAdvertisement.model_validate(e) for e in json.load(r)["engines"]}
+
+
+def await_advertised(rendezvous_url: str, engine_id: str, timeout: float = 60) -> EngineAdvertisement:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if (adv := advertised(rendezvous_url).get(engine_id)) is not None:
+                return adv
+        except OSError:
+            pass
+        time.sleep(0.2)  # another process's registry: nothing to await but polling
+    raise TimeoutError(f"{engine_id} not advertised at {rendezvous_url} within {timeout}s")
+
+
+def push_by_hand(prefill, decode, body: dict) -> tuple[int, dict | str]:
+    """Both legs of a push request sent straight to the engines (no router, no rendezvous), as the router does."""
+    rid = uuid.uuid4().hex
+    adv = EngineAdvertisement(role="prefill", engine_id=prefill.spec.engine_id, deployment="tests",
+                              http_url=prefill.url, side_channel_host="127.0.0.1",
+                              side_channel_ports=[prefill.spec.side_channel_port], tp_size=1, block_size=128,
+                              layout_key="any", kv_mode="push")
+    prefill_result: list = []
+    leg = threading.Thread(target=lambda: prefill_result.append(
+        post(prefill.url + "/v1/completions", pd_protocol.prefill_body("completions", body), request_id=rid)))
+    leg.start()
+    out = post(decode.url + "/v1/completions",
+               pd_protocol.decode_body(body, pd_protocol.push_decode_params("completions", rid, adv)),
+               request_id=rid, timeout=60)
+    leg.join(60)
+    assert prefill_result and prefill_result[0][0] == 200, prefill_result
+    return out
 
 
 def check_outputs(router_url: str, reference: dict) -> None:
@@ -24,6 +70,11 @@ def check_outputs(router_url: str, reference: dict) -> None:
 
 class TestPush:
     def test_first_request_is_push_with_concurrent_dispatch(self, push_pair, reference):
+        """A fresh pair: the plugin loaded each engine's NIXL agent into its peer from the rendezvous, so the first
+        request needs no lazy side-channel handshake on either side."""
+        p, d = push_pair.prefill, push_pair.decode
+        await_log(p, f"loaded decode engine {d.spec.engine_id}'s NIXL agent from its advertisement")
+        await_log(d, f"loaded prefill engine {p.spec.engine_id}'s NIXL agent from its advertisement")
         url = push_pair.router.url
         await_status(url + "/health")
         status, resp = post(url + "/v1/completions", completion(PROMPTS[0]))
@@ -34,6 +85,16 @@ class TestPush:
         assert metric(url, "disagg_router_decode_before_prefill_done_total", mode="push") == 1
         assert metric(url, "disagg_router_ttft_seconds_count", mode="push") == 1
         assert metric(url, "disagg_router_handoff_seconds_count", mode="push") == 1
+        for engine in (p, d):
+            assert log_lines(engine, LAZY_HANDSHAKE) == [] and log_lines(engine, "NIXL compatibility check") == []
+
+    def test_engines_advertise_identity_transport_and_handshake_metadata(self, push_pair):
+        ads = advertised(push_pair.rendezvous.url)
+        for engine in (push_pair.prefill, push_pair.decode):
+            adv = ads[engine.spec.engine_id]
+            assert (adv.role, adv.kv_mode, adv.transport, adv.http_url) == (engine.spec.role, "push", "UCX", engine.url)
+            assert adv.side_channel_ports == [engine.spec.side_channel_port] and adv.tp_size == 1
+            assert adv.kv_metadata["format"] == "vllm-nixl-handshake-v1" and list(adv.kv_metadata["ranks"]) == ["0,0"]
 
     def test_outputs_equal_a_single_engine_streaming_and_not(self, push_pair, reference):
         check_outputs(push_pair.router.url, reference)
@@ -74,16 +135,40 @@ class TestPush:
         await_status(url + "/health")
 
     def test_decode_restarted_with_a_new_engine_id_keeps_serving(self, push_pair, reference):
-        old_id = push_pair.decode.spec.engine_id
-        push_pair.decode.restart()
-        push_pair.decode.wait_ready()
-        assert push_pair.decode.spec.engine_id != old_id
-        push_pair.register(push_pair.decode)
+        """Prefill loads the new decode's agent from the rendezvous and releases the old one: no stale agent."""
+        p, d = push_pair.prefill, push_pair.decode
+        old_id = d.spec.engine_id
+        d.restart()
+        d.wait_ready()
+        assert d.spec.engine_id != old_id
+        await_log(p, f"loaded decode engine {d.spec.engine_id}'s NIXL agent from its advertisement")
         await_status(push_pair.router.url + "/health")
         t0 = time.monotonic()
         status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[1]), timeout=60)
         assert status == 200 and text_of(resp) == reference[("completion", 1)]
         assert time.monotonic() - t0 < 30, "no registration-timeout hang"
+        await_log(p, f"released NIXL agent of departed engine {old_id}")
+        assert old_id not in advertised(push_pair.rendezvous.url)
+        assert log_lines(p, f"{LAZY_HANDSHAKE} {d.spec.engine_id}") == []
+
+    def test_engine_started_while_rendezvous_is_down_serves_lazily_then_advertises(self, push_pair, reference):
+        p, d, rendezvous = push_pair.prefill, push_pair.decode, push_pair.rendezvous
+        rendezvous.kill()
+        try:
+            d.restart()
+            d.wait_ready()
+            status, resp = push_by_hand(p, d, completion(PROMPTS[0]))
+            assert status == 200 and text_of(resp) == reference[("completion", 0)]
+            # Neither side knew the other from the rendezvous: vLLM's lazy handshake carried the request.
+            assert log_lines(d, f"{LAZY_HANDSHAKE} {p.spec.engine_id}")
+            assert log_lines(p, f"{LAZY_HANDSHAKE} {d.spec.engine_id}")
+        finally:
+            rendezvous.start()
+        adv = await_advertised(rendezvous.url, d.spec.engine_id)
+        assert adv.transport == "UCX" and adv.kv_metadata is not None
+        await_status(push_pair.router.url + "/health")
+        status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[1]), timeout=60)
+        assert status == 200 and text_of(resp) == reference[("completion", 1)]
 
     def test_dead_prefill_leaves_rotation_within_two_seconds(self, push_pair):
         url = push_pair.router.url
@@ -100,6 +185,11 @@ class TestPull:
         await_status(pull_pair.router.url + "/health")
         check_outputs(pull_pair.router.url, reference)
         assert metric(pull_pair.router.url, "disagg_router_handoff_seconds_count", mode="pull") >= 8
+        # Pull decode handshakes with prefill ahead of time over the side channel (pull needs the clock offset
+        # only that round trip measures); both engines advertise.
+        await_log(pull_pair.decode, f"pre-warmed prefill engine {pull_pair.prefill.spec.engine_id}")
+        ads = advertised(pull_pair.rendezvous.url)
+        assert {ads[e.spec.engine_id].kv_mode for e in (pull_pair.prefill, pull_pair.decode)} == {"pull"}
 
     def test_push_and_pull_engines_are_never_paired(self, pull_pair, push_pair):
         """The push pair's engines are registered too (push_pair ran first), but a pull router ignores them."""

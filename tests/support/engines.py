@@ -78,8 +78,9 @@ class Service:
                 self.kill()
 
 
-def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict | str]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post(url: str, body: dict, timeout: float = 120, request_id: str | None = None) -> tuple[int, dict | str]:
+    headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.load(r)
@@ -169,3 +170,20 @@ def await_status(url: str, status: int = 200, timeout: float = 30) -> None:
             return
         time.sleep(0.1)
     raise TimeoutError(f"{url} answered {last}, not {status}, for {timeout}s")
+
+
+def log_lines(engine, needle: str) -> list[str]:
+    """Lines of the engine's current incarnation's log that contain `needle`."""
+    text = engine.log.read_text(errors="replace")
+    current = text[text.rfind("=== start "):]
+    return [line for line in current.splitlines() if needle in line]
+
+
+def await_log(engine, needle: str, timeout: float = 60) -> str:
+    """Wait until the engine logs `needle` (another process's log has nothing to await but polling)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if lines := log_lines(engine, needle):
+            return lines[0]
+        time.sleep(0.1)
+    raise TimeoutError(f"{engine.spec.name} did not log {needle!r} in {timeout}s; log {engine.log}\n{engine.tail()}")
