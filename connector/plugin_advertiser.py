@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import base64
 import logging
+import signal
+import threading
+import urllib.request
+from pathlib import Path
 from typing import Any, Mapping
 
 from .advertisement import EngineAdvertisement
@@ -66,6 +70,7 @@ class EngineAdvertiser:
         self.advertisement = build_advertisement(settings, payloads, compatibility_hash, transport,
                                                  side_channel_host, side_channel_port)
         self.url = settings.rendezvous_url
+        self.settings = settings
         url, token, token_file = settings.rendezvous_url, settings.token, settings.token_file
         assert url is not None
         self.registration = EngineRegistration(
@@ -78,6 +83,47 @@ class EngineAdvertiser:
                  a.engine_id, a.transport, len((a.kv_metadata or {}).get("ranks", {})),  # type: ignore[union-attr]
                  self.url)
         self.registration.start_thread()
+        self._deregister_on_sigterm()
 
     def stop(self) -> None:
         self.registration.stop_thread(deregister=True)
+
+    def _deregister_on_sigterm(self) -> None:
+        """Leave the rendezvous the moment the engine is told to stop, before vLLM's own SIGTERM handling.
+
+        vLLM's API server stops its engine core with SIGTERM and, by default (`--shutdown-timeout 0`), kills it
+        right after, so the connector's shutdown() may never run; without this, routers would keep the engine
+        until its lease ran out. The handler stops the renewals, sends one DELETE with a short timeout (blocking
+        the stopping engine for at most that long), then calls the handler it replaced."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be installed from the main thread
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: object) -> None:
+            self.registration.request_stop(deregister=False)
+            self.deregister_now()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def deregister_now(self, timeout: float = 0.5) -> bool:
+        """One synchronous DELETE of this engine's entry (no event loop: usable from a signal handler)."""
+        s = self.settings
+        token = s.token
+        if token is None and s.token_file:
+            try:
+                token = Path(s.token_file).read_text().strip()
+            except OSError:
+                token = None
+        req = urllib.request.Request(f"{self.url}/v1/engines/{self.advertisement.engine_id}", method="DELETE",
+                                     headers={"Authorization": f"Bearer {token}"} if token else {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout):
+                return True
+        except Exception as e:  # the lease ends it anyway
+            log.info("disagg plugin: deregistering on SIGTERM failed: %s", e)
+            return False

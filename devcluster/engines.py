@@ -77,7 +77,9 @@ class LocalEngine:
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
                 "--served-model-name", "tiny", "--dtype", "bfloat16", "--block-size", str(s.block_size),
                 "--enforce-eager", "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1",
-                "--port", str(s.port), "--seed", "0", "--disable-log-stats"]
+                "--port", str(s.port), "--seed", "0", "--disable-log-stats",
+                # Let the engine core run its shutdown (and the plugin deregister) instead of being killed at once.
+                "--shutdown-timeout", "5"]
         if (cfg := s.kv_transfer_config()) is not None:
             argv += ["--kv-transfer-config", json.dumps(cfg)]
         env = {
