@@ -10,6 +10,7 @@ import base64
 import logging
 import signal
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Mapping
@@ -111,7 +112,11 @@ class EngineAdvertiser:
         signal.signal(signal.SIGTERM, on_sigterm)
 
     def deregister_now(self, timeout: float = 0.5) -> bool:
-        """One synchronous DELETE of this engine's entry (no event loop: usable from a signal handler)."""
+        """One synchronous DELETE of this engine's entry (no event loop: usable from a signal handler). Once:
+        the engine core may get SIGTERM twice (from the API server and from its process group)."""
+        if getattr(self, "_deregistered", False):
+            return True
+        self._deregistered = True
         s = self.settings
         token = s.token
         if token is None and s.token_file:
@@ -124,6 +129,11 @@ class EngineAdvertiser:
         try:
             with urllib.request.urlopen(req, timeout=timeout):
                 return True
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return True  # already gone
+            log.info("disagg plugin: deregistering on SIGTERM failed: %s", e)
+            return False
         except Exception as e:  # the lease ends it anyway
             log.info("disagg plugin: deregistering on SIGTERM failed: %s", e)
             return False

@@ -354,10 +354,13 @@ class EngineRegistration:
     def request_stop(self, deregister: bool = True) -> None:
         """Ask the thread of `start_thread` to stop (deregistering first, by default) without waiting: safe in a
         signal handler, since it only wakes the thread's own event loop."""
-        if self._thread is None or self._loop is None or self._stop_requested is None:
+        if self._thread is None or self._loop is None or self._stop_requested is None or not self._thread.is_alive():
             return
         self._deregister_on_stop = deregister
-        self._loop.call_soon_threadsafe(self._stop_requested.set)
+        try:
+            self._loop.call_soon_threadsafe(self._stop_requested.set)
+        except RuntimeError:  # the loop closed between the check and the call: already stopped
+            pass
 
     def stop_thread(self, deregister: bool = True, timeout: float = 5.0) -> None:
         """Stop the thread of `start_thread` (deregistering first, by default) and wait for it."""
