@@ -149,6 +149,8 @@ class TestPush:
         assert time.monotonic() - t0 < 30, "no registration-timeout hang"
         await_log(p, f"released NIXL agent of departed engine {old_id}")
         assert old_id not in advertised(push_pair.rendezvous.url)
+        # It left on SIGTERM rather than by lease expiry.
+        assert f"engine {old_id} deregistered" in push_pair.rendezvous.log.read_text()
         assert log_lines(p, f"{LAZY_HANDSHAKE} {d.spec.engine_id}") == []
 
     def test_engine_started_while_rendezvous_is_down_serves_lazily_then_advertises(self, push_pair, reference):
