@@ -12,17 +12,15 @@ import yaml
 from lightkube import codecs
 from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_global_resource
-from lightkube.models.authentication_v1 import TokenRequestSpec
-from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
-from lightkube.resources.core_v1 import ConfigMap, Event, ServiceAccount
+from lightkube.resources.core_v1 import ConfigMap, Event
 from lightkube.types import PatchType
 
 from disagg.operator import crdgen
 from support.dinf import Dinf, cond, create, is_ready, small
-from support.kube import watch_list_until, watch_until
+from support.kube import token_kubeconfig, watch_list_until, watch_until
 from support.operator import OperatorProcess
-from support.tools import ALL_OPTIONS, REPO, kubectl, rules_of, template
+from support.tools import ALL_OPTIONS, REPO, can_i, rules_of, template
 
 RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 # What kopf logs when it falls back for lack of a permission, or fails to post an Event.
@@ -78,29 +76,6 @@ def apply_rbac(cluster):
         except ApiError as e:
             if e.status.code != 404:
                 raise
-
-
-def token_kubeconfig(cluster, namespace: str, sa: str, path: Path) -> Path:
-    """A kubeconfig that authenticates as the ServiceAccount with a bound token from the TokenRequest API."""
-    request = ServiceAccount.Token(metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=3600))
-    token = cluster.client.create(request, name=sa, namespace=namespace).status.token
-    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
-    server = next(c for c in admin["clusters"] if c["name"] == context["cluster"])
-    user = f"system:serviceaccount:{namespace}:{sa}"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [server], "users": [{"name": user, "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": server["name"], "user": user, "namespace": namespace}}],
-    }))
-    path.chmod(0o600)
-    return path
-
-
-def can_i(kubeconfig: Path, *args: str) -> bool:
-    out = kubectl(f"--kubeconfig={kubeconfig}", "auth", "can-i", *args, check=False)
-    assert out.stdout.strip() in ("yes", "no"), out.stderr
-    return out.stdout.strip() == "yes"
 
 
 def complaints(op: OperatorProcess) -> list[str]:

@@ -5,8 +5,12 @@ import asyncio
 from pathlib import Path
 from typing import Callable, TypeVar
 
+import yaml
 from lightkube import AsyncClient, KubeConfig
 from lightkube.core.exceptions import ApiError
+from lightkube.models.authentication_v1 import TokenRequestSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import ServiceAccount
 
 T = TypeVar("T")
 
@@ -86,3 +90,20 @@ def watch_list_until(cluster, res: type[T], predicate: Callable[[T], bool], *, n
     """Return the first object of a kind (existing or new) for which `predicate` holds: for objects whose name is
     not known in advance, such as Events."""
     return asyncio.run(_watch_list_until(cluster.kubeconfig, res, predicate, namespace, fields, timeout, what))
+
+
+def token_kubeconfig(cluster, namespace: str, sa: str, path: Path) -> Path:
+    """A kubeconfig that authenticates as the ServiceAccount with a bound token from the TokenRequest API."""
+    request = ServiceAccount.Token(metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=3600))
+    token = cluster.client.create(request, name=sa, namespace=namespace).status.token
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    server = next(c for c in admin["clusters"] if c["name"] == context["cluster"])
+    user = f"system:serviceaccount:{namespace}:{sa}"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [server], "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": server["name"], "user": user, "namespace": namespace}}],
+    }))
+    path.chmod(0o600)
+    return path

@@ -52,3 +52,10 @@ def template(*args: str, release: str = "disagg", namespace: str = "disagg-syste
 
 def rules_of(objs: list[dict], kind: str = "ClusterRole") -> list[dict]:
     return [rule for o in objs if o["kind"] == kind for rule in o["rules"]]
+
+
+def can_i(kubeconfig: Path, *args: str) -> bool:
+    """`kubectl auth can-i` as the kubeconfig's identity."""
+    out = kubectl(f"--kubeconfig={kubeconfig}", "auth", "can-i", *args, check=False)
+    assert out.stdout.strip() in ("yes", "no"), out.stderr
+    return out.stdout.strip() == "yes"
