@@ -290,6 +290,13 @@ class RendezvousSpec(Model):
 
     heartbeat_seconds: int = Field(default=5, ge=1, le=300)
     """How often engines renew their lease; an entry expires after three missed heartbeats."""
+    auth: Literal["kubernetes", "token"] = "kubernetes"
+    """How the rendezvous authenticates engines' writes. `kubernetes`: each engine presents its pod's projected
+    ServiceAccount token (audience disagg-rendezvous), which the rendezvous verifies with a TokenReview and
+    accepts only from this deployment's engine pods; the operator gives the rendezvous its own ServiceAccount
+    and a ClusterRoleBinding to system:auth-delegator for that. `token`: one random token per deployment in
+    the Secret <name>-rendezvous-token, shared by the engines and the rendezvous; for clusters where the
+    operator may not grant TokenReview."""
 
 
 class PlacementSpec(Model):

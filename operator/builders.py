@@ -9,16 +9,22 @@ from .api import DisaggregatedInference
 from .engine_builders import (engine_args, engine_pdb, engine_service, engine_statefulset, launch_configmap,
                               launch_script)
 from .meta import DEFAULT_OPERATOR_IMAGE, OperatorImages
-from .service_builders import (endpoint_url, rendezvous_deployment, rendezvous_service, router_deployment,
-                               router_service)
+from .service_builders import (endpoint_url, rendezvous_binding, rendezvous_deployment, rendezvous_service,
+                               rendezvous_service_account, router_deployment, router_service)
 
 __all__ = ["DEFAULT_OPERATOR_IMAGE", "OperatorImages", "build_children", "endpoint_url", "engine_args",
            "launch_script"]
 
 
 def build_children(cr: DisaggregatedInference, *, images: OperatorImages = OperatorImages()) -> list[dict[str, Any]]:
-    """All children in apply order: launch ConfigMap, rendezvous, engines per role, then the router."""
-    children: list[dict[str, Any]] = [launch_configmap(cr), rendezvous_service(cr), rendezvous_deployment(cr, images)]
+    """All children in apply order: launch ConfigMap, rendezvous, engines per role, then the router. With
+    `spec.rendezvous.auth: kubernetes` the rendezvous' ServiceAccount and its ClusterRoleBinding (cluster-scoped,
+    so not owned by the CR) come before its Deployment; with `token` the operator adds the token Secret itself
+    (reconciler.py: its random value is never server-side applied)."""
+    children: list[dict[str, Any]] = [launch_configmap(cr), rendezvous_service(cr)]
+    if cr.spec.rendezvous.auth == "kubernetes":
+        children += [rendezvous_service_account(cr), rendezvous_binding(cr)]
+    children.append(rendezvous_deployment(cr, images))
     for role in names.ENGINE_ROLES:
         children += [engine_service(cr, role), engine_statefulset(cr, role, images), engine_pdb(cr, role)]
     children += [router_service(cr), router_deployment(cr, images)]

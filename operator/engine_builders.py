@@ -19,6 +19,7 @@ PLUGIN_MODULE = "disagg.connector.plugin"
 ENGINE_CONTAINER = "engine"
 PLUGIN_CONTAINER = "install-plugin"
 PLUGIN_VOLUME = "disagg-plugin"
+RENDEZVOUS_TOKEN_VOLUME = "rendezvous-token"
 LAUNCH_DIR = "/etc/disagg"
 PLUGIN_DIR = "/opt/disagg"
 MODELS_DIR = "/models"
@@ -134,8 +135,18 @@ def _dedupe(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def rendezvous_token_env(cr: str) -> dict[str, Any]:
+    """auth token: the deployment's shared write token, from the Secret the operator creates once."""
     return {"name": "DISAGG_RENDEZVOUS_TOKEN", "valueFrom": {"secretKeyRef": {
         "name": names.rendezvous_token_secret(cr), "key": names.RENDEZVOUS_TOKEN_KEY}}}
+
+
+def engine_rendezvous_auth_env(cr: DisaggregatedInference) -> dict[str, Any]:
+    """How an engine proves itself to the rendezvous: auth kubernetes, the pod's projected ServiceAccount token
+    (a file the kubelet rotates, re-read on every request); auth token, the shared token."""
+    if cr.spec.rendezvous.auth == "kubernetes":
+        return _env("DISAGG_RENDEZVOUS_TOKEN_FILE", posixpath.join(names.RENDEZVOUS_TOKEN_DIR,
+                                                                    names.RENDEZVOUS_TOKEN_PATH))
+    return rendezvous_token_env(cr_name(cr))
 
 
 def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any]]:
@@ -155,7 +166,7 @@ def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any
         _env("DISAGG_DEPLOYMENT", name),
         _env("DISAGG_LAYOUT_KEY", names.layout_key(spec)),
         _env("DISAGG_RENDEZVOUS_URL", names.rendezvous_url(name, namespace_of(cr))),
-        rendezvous_token_env(name),
+        engine_rendezvous_auth_env(cr),
         _env("DISAGG_HEARTBEAT_SECONDS", spec.rendezvous.heartbeat_seconds),
         _env("DISAGG_KV_MODE", spec.kv_transfer.mode),
         _env("DISAGG_LEASE_SECONDS", spec.kv_transfer.lease_seconds),
@@ -251,6 +262,13 @@ def _volumes(cr: DisaggregatedInference) -> tuple[list[dict[str, Any]], list[dic
     if spec.uses_plugin:
         volumes.append({"name": PLUGIN_VOLUME, "emptyDir": {}})
         mounts.append({"name": PLUGIN_VOLUME, "mountPath": PLUGIN_DIR, "readOnly": True})
+    if spec.rendezvous.auth == "kubernetes":
+        # Bound to this pod (name and UID, which the rendezvous checks) and to the rendezvous' audience, so the
+        # token is no credential for the API server.
+        volumes.append({"name": RENDEZVOUS_TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
+            "audience": names.RENDEZVOUS_AUDIENCE, "expirationSeconds": names.RENDEZVOUS_TOKEN_SECONDS,
+            "path": names.RENDEZVOUS_TOKEN_PATH}}]}})
+        mounts.append({"name": RENDEZVOUS_TOKEN_VOLUME, "mountPath": names.RENDEZVOUS_TOKEN_DIR, "readOnly": True})
     pvc = spec.model.source.pvc
     if pvc is not None:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
@@ -305,7 +323,8 @@ def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: Oper
     pod_spec: dict[str, Any] = {
         # Service links would inject e.g. VLLM_PORT for a Service named "vllm", which vLLM misreads.
         "enableServiceLinks": False,
-        # Engines talk to the rendezvous over HTTP, never to the API server.
+        # Engines talk to the rendezvous over HTTP, never to the API server (their rendezvous token, with auth
+        # kubernetes, is a separate projected volume for the rendezvous' audience only).
         "automountServiceAccountToken": False,
         **({"initContainers": [install]} if spec.uses_plugin else {}),
         "containers": [engine],

@@ -11,6 +11,12 @@ Triggers:
 
 The resync is a plain asyncio loop, not a kopf timer: kopf timers put a finalizer on every CR, and a CR
 must stay deletable when the operator is not running (owner references do the cleanup).
+
+The one child owner references cannot clean up is the rendezvous' ClusterRoleBinding (auth kubernetes; it is
+cluster-scoped). Without a finalizer: a CR's DELETED watch event removes its binding at once, best effort, and
+every resync round removes any binding whose CR is gone (deleted while the operator was down, or an event
+missed). kopf's @on.delete(optional=True) would not do: without a finalizer kopf sees only the object gone,
+and it calls deletion handlers only for an object that still exists with a deletionTimestamp.
 """
 from __future__ import annotations
 
@@ -174,9 +180,32 @@ def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> dict[str, Any]:
     return indexes
 
 
+def _needs_binding(index: kopf.Index) -> set[tuple[str, str]]:
+    """CRs the watch index knows with auth kubernetes (the default)."""
+    return {key for key, store in index.items() for body in store
+            if ((body.get("spec") or {}).get("rendezvous") or {}).get("auth", "kubernetes") == "kubernetes"}
+
+
+async def collect_bindings(memo: kopf.Memo, logger, only: tuple[str, str] | None = None) -> None:
+    """Remove rendezvous ClusterRoleBindings whose CR is gone; a failure waits for the next round."""
+    indexes = memo.shared.get("indexes")
+    needed = _needs_binding(indexes["dinf_index"]) if indexes and only is None else set()
+    try:
+        await memo.reconciler.collect_bindings(only=only, needed=needed)
+    except Exception as e:  # never ends the resync loop; the next round retries
+        logger.warning(f"removing rendezvous ClusterRoleBindings of deleted CRs failed: {e}")
+
+
+@kopf.on.event(*CR, id="dinf-deleted")
+async def dinf_deleted(type: str | None, namespace: str, name: str, memo: kopf.Memo, logger, **_: Any) -> None:
+    if type == "DELETED":
+        await collect_bindings(memo, logger, only=(namespace, name))
+
+
 async def resync_forever(memo: kopf.Memo, logger) -> None:
     while True:
         await asyncio.sleep(RESYNC_SECONDS)
+        await collect_bindings(memo, logger)
         indexes = memo.shared.get("indexes")
         if not indexes:
             metrics.RESYNC_ROUNDS.inc()

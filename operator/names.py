@@ -46,6 +46,37 @@ def rendezvous_token_secret(cr: str) -> str:
 
 RENDEZVOUS_TOKEN_KEY = "token"
 
+# spec.rendezvous.auth: kubernetes. Engines present a projected ServiceAccount token for this audience (so it is
+# useless against the API server); the rendezvous, running as its own ServiceAccount, verifies it with a
+# TokenReview, which system:auth-delegator allows. Equal to disagg.connector.rendezvous.DEFAULT_AUDIENCE.
+RENDEZVOUS_AUDIENCE = "disagg-rendezvous"
+AUTH_DELEGATOR = "system:auth-delegator"
+RENDEZVOUS_TOKEN_DIR = "/var/run/secrets/disagg/rendezvous"
+RENDEZVOUS_TOKEN_PATH = "token"
+RENDEZVOUS_TOKEN_SECONDS = 3600  # the kubelet rotates it at 80% of its life; the plugin re-reads the file
+BINDING_PREFIX = "disagg-rendezvous"
+# On the cluster-scoped ClusterRoleBinding, which cannot have the namespaced CR as owner: whose it is.
+LABEL_CR_NAMESPACE = "serving.disagg.io/namespace"
+OWNER_ANNOTATION = "serving.disagg.io/owner"  # <namespace>/<name> (a label value cannot hold a long name)
+OWNER_UID_ANNOTATION = "serving.disagg.io/owner-uid"
+MAX_NAME = 253
+
+
+def rendezvous_service_account(cr: str) -> str:
+    """The rendezvous' own ServiceAccount (auth kubernetes): the subject of its auth-delegator binding."""
+    return f"{cr}-{RENDEZVOUS}"
+
+
+def rendezvous_binding_name(namespace: str, cr: str) -> str:
+    """The ClusterRoleBinding giving a deployment's rendezvous TokenReview: `disagg-rendezvous:<ns>:<cr>`.
+    Colons appear in neither a namespace nor a CR name, so two deployments never share one; a name over 253
+    characters keeps its head and ends in a hash of the whole."""
+    name = f"{BINDING_PREFIX}:{namespace}:{cr}"
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.sha256(f"{namespace}/{cr}".encode()).hexdigest()[:10]
+    return f"{name[:MAX_NAME - len(digest) - 1]}-{digest}"
+
 
 def launch_configmap_name(cr: str) -> str:
     return f"{cr}-launch"

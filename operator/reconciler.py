@@ -20,11 +20,13 @@ from lightkube import AsyncClient, codecs
 from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import Secret
+from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 from lightkube.types import PatchType
 
 from . import api, metrics, names
 from .builders import OperatorImages, build_children, endpoint_url
 from .meta import cr_name as meta_name
+from .meta import namespace_of as meta_namespace
 from .meta import object_meta
 from .status import TRANSPORT_VERIFIED, Observed, compute_status, transport_event
 
@@ -78,21 +80,29 @@ class Coalescer:
 
 
 class Reconciler:
-    def __init__(self, client: AsyncClient, images: OperatorImages, logger: logging.Logger | None = None):
+    def __init__(self, client: AsyncClient, images: OperatorImages, logger: logging.Logger | None = None,
+                 namespaces: list[str] | None = None):
         self.client = client
         self.images = images
+        # The namespaces this operator serves (None: all). It removes only rendezvous bindings of CRs in them.
+        self.namespaces = set(namespaces) if namespaces else None
         self.log = logger or logging.getLogger("disagg.operator")
         self.coalescer = Coalescer()
         # What our last apply of each child produced: a later event with the same marker is our own echo.
         self.applied: dict[ChildKey, str] = {}
         self._token_secrets: set[str] = set()  # CR uids whose token Secret is known to exist
+        self._bindings_forbidden = False  # listing ClusterRoleBindings was refused (logged once)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
 
     # -- children ----------------------------------------------------------------------------------------
     async def apply_children(self, cr: api.DisaggregatedInference, thorough: bool = False) -> ApplyOutcome:
         outcome = ApplyOutcome()
-        if await self.ensure_token_secret(cr, verify=thorough):
-            outcome.created.append(f"Secret/{names.rendezvous_token_secret(meta_name(cr))}")
+        if cr.spec.rendezvous.auth == "token":
+            if await self.ensure_token_secret(cr, verify=thorough):
+                outcome.created.append(f"Secret/{names.rendezvous_token_secret(meta_name(cr))}")
+            binding = names.rendezvous_binding_name(meta_namespace(cr), meta_name(cr))
+            if ("ClusterRoleBinding", "", binding) in self.applied:  # switched from kubernetes: revoke it now
+                await self.collect_bindings(only=(meta_namespace(cr), meta_name(cr)))
         for obj in build_children(cr, images=self.images):
             kind, ns, name = obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
             key = (kind, ns, name)
@@ -102,7 +112,13 @@ class Reconciler:
                 res = await self._apply(obj)
             except ApiError as e:
                 metrics.API_ERRORS.labels(kind=kind, verb="apply").inc()
-                raise ApplyFailed(f"applying {kind} {ns}/{name}: {e.status.message}", e.status.code) from e
+                hint = ""
+                if e.status.code == 403 and kind in ("ServiceAccount", "ClusterRoleBinding"):
+                    hint = (" (spec.rendezvous.auth: kubernetes needs the operator to create the rendezvous' "
+                            f"ServiceAccount and bind it to {names.AUTH_DELEGATOR}: the chart's rbac.tokenReview; "
+                            "or set spec.rendezvous.auth: token)")
+                raise ApplyFailed(f"applying {kind} {f'{ns}/' if ns else ''}{name}: {e.status.message}{hint}",
+                                  e.status.code) from e
             finally:
                 metrics.API_SECONDS.labels(verb="apply").observe(time.monotonic() - t0)
             after_obj = res.to_dict() if hasattr(res, "to_dict") else dict(res)
@@ -137,6 +153,95 @@ class Reconciler:
             return False
         self._token_secrets.add(uid)
         return True
+
+    async def collect_bindings(self, only: Key | None = None,
+                               needed: frozenset[Key] | set[Key] = frozenset()) -> list[str]:
+        """Delete the rendezvous ClusterRoleBindings (auth kubernetes) that no CR needs any more: their CR is
+        gone or being deleted, or now uses auth token. Garbage collection cannot do this (a cluster-scoped
+        object cannot be owned by a namespaced one) and a finalizer would make CRs undeletable while the
+        operator is down, so the resync calls this every round, and a CR's DELETED event for that CR.
+
+        Only bindings this operator made are candidates: its labels, the `disagg-rendezvous:` name, the
+        auth-delegator role, and a CR in a namespace it serves. Each delete carries the binding's UID and
+        resourceVersion as preconditions, so a binding re-applied meanwhile (a CR recreated under the same
+        name) is left alone. `needed`: CRs known (from the watch index) to use auth kubernetes, whose bindings
+        are kept without asking the apiserver. Returns the names deleted."""
+        selector = {names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_COMPONENT: names.RENDEZVOUS}
+        if only is not None:
+            selector.update({names.LABEL_CR_NAMESPACE: only[0], names.LABEL_INSTANCE: only[1]})
+        t0 = time.monotonic()
+        try:
+            bindings = [b async for b in self.client.list(ClusterRoleBinding, labels=selector)]
+        except ApiError as e:
+            if e.status.code == 403:  # rbac.tokenReview off: then it made no binding either (auth token only)
+                if not self._bindings_forbidden:
+                    self.log.warning("cannot list ClusterRoleBindings (%s): rendezvous bindings of deleted CRs "
+                                     "are not removed; CRs need spec.rendezvous.auth: token", e.status.message)
+                self._bindings_forbidden = True
+                return []
+            metrics.API_ERRORS.labels(kind="ClusterRoleBinding", verb="list").inc()
+            raise
+        finally:
+            metrics.API_SECONDS.labels(verb="list").observe(time.monotonic() - t0)
+        deleted = []
+        for binding in bindings:
+            owner = self._binding_owner(binding)
+            if owner is None or (only is not None and owner != only) or owner in needed or \
+                    await self._needs_binding(*owner):
+                continue
+            meta = binding.metadata
+            try:
+                await self._delete_exact(ClusterRoleBinding, meta.name, meta.uid, meta.resourceVersion)
+            except ApiError as e:
+                if e.status.code in (404, 409):  # gone already, or changed since we looked: not ours to delete
+                    continue
+                metrics.API_ERRORS.labels(kind="ClusterRoleBinding", verb="delete").inc()
+                raise
+            self.applied.pop(("ClusterRoleBinding", "", meta.name), None)
+            metrics.CHILD_WRITES.labels(kind="ClusterRoleBinding", change="deleted").inc()
+            self.log.info("deleted ClusterRoleBinding %s: %s/%s no longer needs it", meta.name, *owner)
+            deleted.append(meta.name)
+        return deleted
+
+    def _binding_owner(self, binding: ClusterRoleBinding) -> Key | None:
+        """The (namespace, name) of the CR a binding was made for, or None when it is not one of ours."""
+        meta = binding.metadata
+        namespace, _, name = (meta.annotations or {}).get(names.OWNER_ANNOTATION, "").partition("/")
+        if not namespace or not name or (meta.labels or {}).get(names.LABEL_CR_NAMESPACE) != namespace:
+            return None
+        if meta.name != names.rendezvous_binding_name(namespace, name) or \
+                binding.roleRef.name != names.AUTH_DELEGATOR:
+            return None
+        if self.namespaces is not None and namespace not in self.namespaces:
+            return None  # another operator's (or nobody's we may judge)
+        return namespace, name
+
+    async def _needs_binding(self, namespace: str, name: str) -> bool:
+        """Ask the apiserver (an index can lag a creation as well as a deletion)."""
+        try:
+            obj = await self.client.get(DinfResource, name, namespace=namespace)
+        except ApiError as e:
+            if e.status.code == 404:
+                return False
+            raise
+        if obj.metadata.deletionTimestamp is not None:
+            return False
+        # The CRD defaults the field; an object stored before it existed reads as the default, kubernetes.
+        return ((obj.get("spec") or {}).get("rendezvous") or {}).get("auth", "kubernetes") == "kubernetes"
+
+    async def _delete_exact(self, res: type, name: str, uid: str, resource_version: str) -> None:
+        """DELETE with DeleteOptions preconditions (lightkube's delete sends no body, so build the request on
+        its generic client: same connection, same credentials)."""
+        generic = self.client._client
+        request = generic.prepare_request("delete", res=res, name=name)
+        request.data = {"apiVersion": "v1", "kind": "DeleteOptions",
+                        "preconditions": {"uid": uid, "resourceVersion": resource_version}}
+        t0 = time.monotonic()
+        try:
+            response = await generic.send(generic.build_adapter_request(request))
+            generic.handle_response("delete", response, request)
+        finally:
+            metrics.API_SECONDS.labels(verb="delete").observe(time.monotonic() - t0)
 
     async def _apply(self, obj: dict[str, Any]):
         resource = codecs.from_dict(obj)

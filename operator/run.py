@@ -81,7 +81,7 @@ def main(args: argparse.Namespace) -> None:
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 30
         memo.shared = {}
-        memo.reconciler = Reconciler(AsyncClient(KubeConfig.from_env()), images)
+        memo.reconciler = Reconciler(AsyncClient(KubeConfig.from_env()), images, namespaces=args.namespace)
         transport_log = logging.getLogger("disagg.transport")
         memo.transports = TransportPoller(
             args.rendezvous_url_template, timeout=args.rendezvous_timeout, interval=args.transport_poll_seconds,

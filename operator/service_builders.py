@@ -9,15 +9,14 @@ from .engine_builders import rendezvous_token_env
 from .meta import OperatorImages, cr_name, http_probe, namespace_of, object_meta
 
 
-
 def endpoint_url(cr: DisaggregatedInference) -> str:
     """In-cluster URL of the router: the deployment's OpenAI-compatible endpoint."""
     return names.router_url(cr_name(cr), namespace_of(cr), cr.spec.router.port)
 
 
 def _deployment(cr: DisaggregatedInference, component: str, name: str, replicas: int, command: list[str],
-                port: int, image: str, strategy: dict[str, Any],
-                env: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                port: int, image: str, strategy: dict[str, Any], env: list[dict[str, Any]] | None = None,
+                pod_spec: dict[str, Any] | None = None) -> dict[str, Any]:
     container = {
         "name": component,
         "image": image,
@@ -40,7 +39,7 @@ def _deployment(cr: DisaggregatedInference, component: str, name: str, replicas:
             "strategy": strategy,
             "selector": {"matchLabels": selector},
             "template": {"metadata": {"labels": names.labels(cr_name(cr), component)},
-                         "spec": {"enableServiceLinks": False, "containers": [container]}},
+                         "spec": {"enableServiceLinks": False, **(pod_spec or {}), "containers": [container]}},
         },
     }
 
@@ -57,15 +56,50 @@ def _service(cr: DisaggregatedInference, component: str, name: str, service_type
 
 def rendezvous_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dict[str, Any]:
     name = cr_name(cr)
-    # Writes are authenticated with a per-deployment shared token from a Secret the operator creates once.
-    # (Pod-bound ServiceAccount tokens with TokenReview, `--auth kubernetes`, also need a cluster-scoped
-    # auth-delegator binding per deployment; not wired yet.)
     command = ["disagg", "rendezvous", "--port", str(names.RENDEZVOUS_PORT),
-               "--heartbeat-seconds", str(cr.spec.rendezvous.heartbeat_seconds), "--auth", "token",
+               "--heartbeat-seconds", str(cr.spec.rendezvous.heartbeat_seconds), "--auth", cr.spec.rendezvous.auth,
                "--deployment", name]
+    if cr.spec.rendezvous.auth == "kubernetes":
+        # Engines' pod-bound tokens, checked with TokenReviews sent as the rendezvous' own ServiceAccount (bound
+        # to system:auth-delegator by rendezvous_binding); only this deployment's engine pods in this namespace
+        # may write.
+        env = [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+        pod_spec = {"serviceAccountName": names.rendezvous_service_account(name),
+                    "automountServiceAccountToken": True}
+    else:
+        # A per-deployment shared token from a Secret the operator creates once.
+        env, pod_spec = [rendezvous_token_env(name)], {"automountServiceAccountToken": False}
     # Recreate: the registry is in memory, and two pods behind one Service would each see half the heartbeats.
     return _deployment(cr, names.RENDEZVOUS, names.rendezvous_name(name), 1, command, names.RENDEZVOUS_PORT,
-                       images.operator, {"type": "Recreate"}, env=[rendezvous_token_env(name)])
+                       images.operator, {"type": "Recreate"}, env=env, pod_spec=pod_spec)
+
+
+def rendezvous_service_account(cr: DisaggregatedInference) -> dict[str, Any]:
+    """auth kubernetes: the identity the rendezvous sends TokenReviews as. Owned by the CR like every child."""
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": object_meta(cr, names.rendezvous_service_account(cr_name(cr)), names.RENDEZVOUS)}
+
+
+def rendezvous_binding(cr: DisaggregatedInference) -> dict[str, Any]:
+    """auth kubernetes: system:auth-delegator (TokenReview) for the rendezvous' ServiceAccount.
+
+    Cluster-scoped, so it cannot be owned by the namespaced CR and the garbage collector never removes it: the
+    operator does (reconciler.collect_bindings), finding its bindings by the labels below and their CR by the
+    annotations."""
+    name, namespace = cr_name(cr), namespace_of(cr)
+    labels = {**names.labels(name, names.RENDEZVOUS), names.LABEL_CR_NAMESPACE: namespace}
+    annotations = {names.OWNER_ANNOTATION: f"{namespace}/{name}"}
+    if cr.metadata.get("uid"):
+        annotations[names.OWNER_UID_ANNOTATION] = str(cr.metadata["uid"])
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": names.rendezvous_binding_name(namespace, name), "labels": labels,
+                     "annotations": annotations},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": names.AUTH_DELEGATOR},
+        "subjects": [{"kind": "ServiceAccount", "name": names.rendezvous_service_account(name),
+                      "namespace": namespace}],
+    }
 
 
 def rendezvous_service(cr: DisaggregatedInference) -> dict[str, Any]:

@@ -54,3 +54,13 @@ def namespace(cluster):
     # Wait until it is gone so its pods' GPUs and EFA devices are free for the next test.
     from support.kube import watch_until
     watch_until(cluster, Namespace, name, lambda ns: False, timeout=120, what="deleted", gone_ok=True)
+    # The rendezvous ClusterRoleBindings of its CRs are cluster-scoped: an operator that stopped before its CRs
+    # went leaves them behind (its next resync would remove them). Tests may share a real cluster.
+    from lightkube.core.exceptions import ApiError
+    from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
+    for binding in cluster.client.list(ClusterRoleBinding, labels={"serving.disagg.io/namespace": name}):
+        try:
+            cluster.client.delete(ClusterRoleBinding, binding.metadata.name)
+        except ApiError as e:
+            if e.status.code != 404:  # an operator removed it meanwhile
+                raise

@@ -155,6 +155,27 @@ def test_all_options_render_roles_per_namespace_peering_and_a_service_monitor():
     assert pdb["spec"] == {"minAvailable": 2, "selector": deploy["spec"]["selector"]}
 
 
+@pytest.mark.parametrize("args", [(), ("--set", "watchNamespaces={a,b}")], ids=["cluster-wide", "namespaces"])
+def test_token_review_grants_exactly_what_auth_kubernetes_needs(args):
+    """spec.rendezvous.auth: kubernetes (the default): per CR a ServiceAccount (namespaced) and a ClusterRoleBinding
+    to system:auth-delegator (cluster-scoped, so always in the ClusterRole), which the operator also deletes."""
+    objs = template(*args)
+    cluster_rules = rules_of(objs)
+    assert {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"], "verbs": ["bind"],
+            "resourceNames": ["system:auth-delegator"]} in cluster_rules
+    assert {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterrolebindings"],
+            "verbs": ["list", "create", "patch", "delete"]} in cluster_rules
+    namespaced = rules_of(objs, "Role") if args else cluster_rules
+    assert {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["create", "patch"]} in namespaced
+    assert not [r for r in cluster_rules + rules_of(objs, "Role") if "tokenreviews" in r["resources"]], \
+        "the rendezvous sends TokenReviews as its own ServiceAccount, never the operator"
+
+    off = template(*args, "--set", "rbac.tokenReview=false")
+    granted = {res for r in rules_of(off) + rules_of(off, "Role") for res in r["resources"]}
+    assert not granted & {"serviceaccounts", "clusterroles", "clusterrolebindings", "tokenreviews"}
+    assert not [r for r in rules_of(off) + rules_of(off, "Role") if "delete" in r["verbs"]]
+
+
 def test_more_than_one_replica_turns_on_peering_with_the_release_name():
     objs = template("--set", "replicaCount=2", release="ha")
     args = container(objs)["args"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
-from lightkube.resources.core_v1 import ConfigMap, Event, Node, Pod, Secret, Service
+from lightkube.resources.core_v1 import ConfigMap, Event, Node, Pod, Service
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import PatchType
 
@@ -123,13 +123,7 @@ def test_hand_edited_children_are_put_back(cluster, operator, namespace):
     c.delete(ConfigMap, f"{name}-launch", namespace=namespace)
     watch_until(cluster, ConfigMap, f"{name}-launch", lambda cm: cm.metadata.deletionTimestamp is None,
                 namespace=namespace, timeout=30, what="launch ConfigMap recreated")
-    # The rendezvous token is created once with a random value; a deleted one comes back on the next resync.
-    token = c.get(Secret, f"{name}-rendezvous-token", namespace=namespace)
-    assert token.metadata.ownerReferences[0].name == name and token.data["token"]
-    c.delete(Secret, f"{name}-rendezvous-token", namespace=namespace)
-    back = watch_until(cluster, Secret, f"{name}-rendezvous-token", lambda s: s.metadata.uid != token.metadata.uid,
-                       namespace=namespace, timeout=30, what="token Secret recreated")
-    assert back.data["token"] != token.data["token"]
+    # (The rendezvous' token Secret and ClusterRoleBinding: tests/cluster/test_rendezvous_binding.py.)
 
 
 def test_noop_resync_writes_nothing(cluster, operator, namespace):

@@ -14,9 +14,11 @@ from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_global_resource
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
 from lightkube.resources.core_v1 import ConfigMap, Event
+from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 from lightkube.types import PatchType
 
 from disagg.operator import crdgen
+from disagg.operator.names import rendezvous_binding_name
 from support.dinf import Dinf, cond, create, is_ready, small
 from support.kube import token_kubeconfig, watch_list_until, watch_until
 from support.operator import OperatorProcess
@@ -41,7 +43,19 @@ def test_rules_never_grant_wildcards_deletion_or_reading_secrets(args):
     for rule in rules:
         for key in ("apiGroups", "resources", "verbs"):
             assert "*" not in rule[key], rule
+        if "delete" in rule["verbs"]:
+            # The one documented exception (rbac.tokenReview): the per-CR rendezvous ClusterRoleBindings are
+            # cluster-scoped, so no garbage collection removes them; the operator deletes the ones it made.
+            assert rule == {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterrolebindings"],
+                            "verbs": ["list", "create", "patch", "delete"]}, rule
+            continue
+        if "bind" in rule["verbs"]:
+            # What those bindings grant: TokenReview (system:auth-delegator), and nothing else.
+            assert rule == {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
+                            "verbs": ["bind"], "resourceNames": ["system:auth-delegator"]}, rule
+            continue
         assert set(rule["verbs"]) <= {"get", "list", "watch", "create", "patch", "update"}, rule
+        assert not {"clusterroles", "roles", "clusterrolebindings", "rolebindings"} & set(rule["resources"]), rule
         if "secrets" in rule["resources"]:
             assert rule["resources"] == ["secrets"] and rule["verbs"] == ["create"], \
                 "the operator creates the rendezvous token Secret and never reads Secrets"
@@ -101,8 +115,17 @@ def test_examples_reconcile_as_the_charts_service_account(cluster, crd_installed
     kubeconfig = token_kubeconfig(cluster, namespace, sa, tmp_path / "kubeconfig")
     assert can_i(kubeconfig, "patch", "statefulsets.apps", "-n", namespace)
     for denied in (("get", "secrets"), ("list", "secrets"), ("delete", "statefulsets.apps"), ("create", "pods"),
-                   ("update", "deployments.apps"), ("delete", "disaggregatedinferences.serving.disagg.io")):
+                   ("update", "deployments.apps"), ("delete", "disaggregatedinferences.serving.disagg.io"),
+                   ("create", "serviceaccounts", "--subresource=token"), ("delete", "serviceaccounts")):
         assert not can_i(kubeconfig, *denied, "-n", namespace), f"the chart's role must not allow {denied}"
+    # auth kubernetes: the operator may bind system:auth-delegator and nothing else, and sends no TokenReview.
+    assert can_i(kubeconfig, "bind", "clusterroles.rbac.authorization.k8s.io/system:auth-delegator")
+    assert can_i(kubeconfig, "delete", "clusterrolebindings.rbac.authorization.k8s.io")  # the documented exception
+    for denied in (("bind", "clusterroles.rbac.authorization.k8s.io/cluster-admin"),
+                   ("escalate", "clusterroles.rbac.authorization.k8s.io"),
+                   ("delete", "clusterroles.rbac.authorization.k8s.io"),
+                   ("create", "tokenreviews.authentication.k8s.io")):
+        assert not can_i(kubeconfig, *denied), f"the chart's role must not allow {denied}"
 
     op = start_as(kubeconfig, tmp_path / "operator.log")
     try:
@@ -110,6 +133,10 @@ def test_examples_reconcile_as_the_charts_service_account(cluster, crd_installed
         names = [create(cluster, namespace, example(f)) for f in ("qwen3-32b-p5en.yaml", "llama-trn2.yaml")]
         for name in names:
             watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready")
+            # The default auth kubernetes: the operator created the rendezvous' binding with exactly these rules
+            # (the apiserver's escalation check passes through `bind` on system:auth-delegator).
+            binding = cluster.client.get(ClusterRoleBinding, rendezvous_binding_name(namespace, name))
+            assert binding.roleRef.name == "system:auth-delegator"
         created = [e for e in cluster.client.list(Event, namespace=namespace, fields={"involvedObject.name": names[0]})
                    if e.reason == "Created"]
         assert created, "the operator posts Events with its own identity"

@@ -228,8 +228,10 @@ def test_layout_key_matches_between_roles_and_tracks_block_size():
 
 def test_every_child_is_owned_by_the_cr_in_its_namespace():
     children = build_children(make_cr())
-    assert len(children) == 11
-    for obj in children:
+    assert len(children) == 13
+    namespaced = [c for c in children if c["kind"] != "ClusterRoleBinding"]
+    assert len(namespaced) == 12, "the rendezvous' ClusterRoleBinding is the one child without a namespace"
+    for obj in namespaced:
         assert obj["metadata"]["namespace"] == "ml"
         assert obj["metadata"]["ownerReferences"] == [{
             "apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference", "name": "qwen",
@@ -239,6 +241,7 @@ def test_every_child_is_owned_by_the_cr_in_its_namespace():
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in children)
     assert kinds == sorted([
         ("ConfigMap", "qwen-launch"), ("Service", "qwen-rendezvous"), ("Deployment", "qwen-rendezvous"),
+        ("ServiceAccount", "qwen-rendezvous"), ("ClusterRoleBinding", "disagg-rendezvous:ml:qwen"),
         ("Service", "qwen-prefill"), ("StatefulSet", "qwen-prefill"), ("PodDisruptionBudget", "qwen-prefill"),
         ("Service", "qwen-decode"), ("StatefulSet", "qwen-decode"), ("PodDisruptionBudget", "qwen-decode"),
         ("Service", "qwen-router"), ("Deployment", "qwen-router")])
@@ -247,6 +250,7 @@ def test_every_child_is_owned_by_the_cr_in_its_namespace():
 def test_offline_render_has_no_owner_references():
     for obj in build_children(make_cr(uid=None)):
         assert "ownerReferences" not in obj["metadata"]
+        assert names.OWNER_UID_ANNOTATION not in obj["metadata"].get("annotations", {})
 
 
 def test_selectors_use_only_instance_and_component_and_match_pod_labels():
@@ -352,7 +356,7 @@ def test_container_basics_volumes_and_plugin_init_container():
     assert volumes["hf-cache"]["emptyDir"] == {}
     mounts = {m["mountPath"]: m["name"] for m in eng["volumeMounts"]}
     assert mounts == {"/dev/shm": "dshm", "/etc/disagg": "launch", "/opt/disagg": "disagg-plugin",
-                      "/root/.cache/huggingface": "hf-cache"}
+                      "/root/.cache/huggingface": "hf-cache", "/var/run/secrets/disagg/rendezvous": "rendezvous-token"}
 
 
 def test_pvc_model_source_and_hub_token():
@@ -503,15 +507,99 @@ def test_router_and_rendezvous():
     rdv = child(children, "Deployment", "qwen-rendezvous")
     assert rdv["spec"]["replicas"] == 1 and rdv["spec"]["strategy"] == {"type": "Recreate"}
     [c] = rdv["spec"]["template"]["spec"]["containers"]
-    assert c["command"] == ["disagg", "rendezvous", "--port", "8080", "--heartbeat-seconds", "7", "--auth", "token",
-                            "--deployment", "qwen"]
-    token_ref = {"name": "DISAGG_RENDEZVOUS_TOKEN",
-                 "valueFrom": {"secretKeyRef": {"name": "qwen-rendezvous-token", "key": "token"}}}
-    assert c["env"] == [token_ref]
-    assert token_ref in engine(children, "decode")["env"], "engines present the same token for their writes"
+    assert c["command"][:4] == ["disagg", "rendezvous", "--port", "8080"]
+    assert c["command"][4:6] == ["--heartbeat-seconds", "7"]
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     svc = child(children, "Service", "qwen-rendezvous")["spec"]
     assert svc["type"] == "ClusterIP" and svc["ports"][0]["port"] == 8080
+
+
+def test_rendezvous_auth_kubernetes_is_the_default():
+    """Engines present their pod's projected ServiceAccount token; the rendezvous, as its own ServiceAccount bound
+    to system:auth-delegator, verifies it with a TokenReview. No shared Secret anywhere."""
+    cr = make_cr()
+    assert cr.spec.rendezvous.auth == "kubernetes"
+    children = build_children(cr)
+    rdv = child(children, "Deployment", "qwen-rendezvous")["spec"]["template"]["spec"]
+    [c] = rdv["containers"]
+    assert c["command"] == ["disagg", "rendezvous", "--port", "8080", "--heartbeat-seconds", "5", "--auth",
+                            "kubernetes", "--deployment", "qwen"]
+    assert c["env"] == [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    assert rdv["serviceAccountName"] == "qwen-rendezvous" and rdv["automountServiceAccountToken"] is True
+
+    sa = child(children, "ServiceAccount", "qwen-rendezvous")
+    assert sa["metadata"]["namespace"] == "ml" and sa["metadata"]["ownerReferences"][0]["uid"] == UID
+    binding = child(children, "ClusterRoleBinding", "disagg-rendezvous:ml:qwen")
+    assert "namespace" not in binding["metadata"] and "ownerReferences" not in binding["metadata"], \
+        "cluster-scoped: a namespaced CR cannot own it (the operator removes it, see reconciler.collect_bindings)"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": "system:auth-delegator"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qwen-rendezvous", "namespace": "ml"}]
+    assert binding["metadata"]["labels"] == {**names.labels("qwen", "rendezvous"), "serving.disagg.io/namespace": "ml"}
+    assert binding["metadata"]["annotations"] == {"serving.disagg.io/owner": "ml/qwen",
+                                                  "serving.disagg.io/owner-uid": UID}
+    # Applied before the Deployment whose pods run as the ServiceAccount.
+    order = [(o["kind"], o["metadata"]["name"]) for o in children]
+    assert order.index(("ServiceAccount", "qwen-rendezvous")) < order.index(("Deployment", "qwen-rendezvous"))
+    assert order.index(("ClusterRoleBinding", "disagg-rendezvous:ml:qwen")) < \
+        order.index(("Deployment", "qwen-rendezvous"))
+
+    for role in ("prefill", "decode"):
+        eng, spec = engine(children, role), pod(children, role)["spec"]
+        env = env_of(eng)
+        assert env["DISAGG_RENDEZVOUS_TOKEN_FILE"] == "/var/run/secrets/disagg/rendezvous/token"
+        assert "DISAGG_RENDEZVOUS_TOKEN" not in env
+        [volume] = [v for v in spec["volumes"] if v["name"] == "rendezvous-token"]
+        assert volume["projected"] == {"sources": [{"serviceAccountToken": {
+            "audience": "disagg-rendezvous", "expirationSeconds": 3600, "path": "token"}}]}
+        assert {"name": "rendezvous-token", "mountPath": "/var/run/secrets/disagg/rendezvous", "readOnly": True} \
+            in eng["volumeMounts"]
+        assert spec["automountServiceAccountToken"] is False, "engines never get an API-server token"
+    assert not [o for o in children if o["kind"] == "Secret"]
+
+
+def test_the_engines_token_audience_is_the_one_the_rendezvous_checks():
+    from disagg.connector.rendezvous import DEFAULT_AUDIENCE, pod_name_pattern
+
+    assert names.RENDEZVOUS_AUDIENCE == DEFAULT_AUDIENCE
+    # The StatefulSets' pods are the names the rendezvous accepts.
+    children = build_children(make_cr({"prefill": {"replicas": 2}}))
+    for role in ("prefill", "decode"):
+        sts = child(children, "StatefulSet", f"qwen-{role}")["metadata"]["name"]
+        assert pod_name_pattern("qwen").match(f"{sts}-0") and pod_name_pattern("qwen").match(f"{sts}-1")
+    assert not pod_name_pattern("qwen").match("qwen-router-0")
+
+
+def test_rendezvous_auth_token_uses_the_shared_secret():
+    children = build_children(make_cr({"rendezvous": {"auth": "token"}}))
+    rdv = child(children, "Deployment", "qwen-rendezvous")["spec"]["template"]["spec"]
+    [c] = rdv["containers"]
+    assert c["command"][-4:] == ["--auth", "token", "--deployment", "qwen"]
+    token_ref = {"name": "DISAGG_RENDEZVOUS_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": "qwen-rendezvous-token", "key": "token"}}}
+    assert c["env"] == [token_ref]
+    assert "serviceAccountName" not in rdv and rdv["automountServiceAccountToken"] is False
+    for role in ("prefill", "decode"):
+        eng = engine(children, role)
+        assert token_ref in eng["env"], "engines present the same token for their writes"
+        assert "DISAGG_RENDEZVOUS_TOKEN_FILE" not in env_of(eng)
+        assert "rendezvous-token" not in [v["name"] for v in pod(children, role)["spec"]["volumes"]]
+    assert not [o for o in children if o["kind"] in ("ServiceAccount", "ClusterRoleBinding")]
+
+
+def test_rendezvous_binding_names_are_unambiguous_and_bounded():
+    # A dash would let namespace "a-b" with CR "c" collide with namespace "a" with CR "b-c".
+    assert names.rendezvous_binding_name("a-b", "c") != names.rendezvous_binding_name("a", "b-c")
+    assert names.rendezvous_binding_name("ml", "qwen") == "disagg-rendezvous:ml:qwen"
+    ns, long = "n" * 63, "x" * 253
+    name = names.rendezvous_binding_name(ns, long)
+    assert len(name) == 253 and name.startswith(f"disagg-rendezvous:{ns}:xxx")
+    assert name != names.rendezvous_binding_name(ns, long[:-1] + "y"), "the hash covers the whole name"
+
+
+def test_rendezvous_auth_rejects_other_values():
+    with pytest.raises(Exception, match="auth"):
+        make_cr({"rendezvous": {"auth": "none"}})
 
 
 def test_names():

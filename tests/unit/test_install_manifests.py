@@ -49,7 +49,8 @@ def test_install_rbac_is_the_charts_default_rbac(generated):
     resources = {r for rule in docs[0]["rules"] for r in rule["resources"]}
     assert {"disaggregatedinferences", "disaggregatedinferences/status", "statefulsets", "deployments", "services",
             "configmaps", "poddisruptionbudgets", "pods", "events", "customresourcedefinitions",
-            "tokenreviews"} <= resources
+            "serviceaccounts", "clusterroles", "clusterrolebindings"} <= resources
+    assert "tokenreviews" not in resources, "the rendezvous sends TokenReviews as its own ServiceAccount"
     assert docs[1]["subjects"] == [{"kind": "ServiceAccount", "name": "disagg-operator", "namespace": "disagg-system"}]
 
 

@@ -49,11 +49,13 @@ def test_render_prints_every_child_as_a_yaml_stream(capsys, cr_file):
     docs = list(yaml.safe_load_all(out))
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
         ("ConfigMap", "qwen-launch"), ("Service", "qwen-rendezvous"), ("Deployment", "qwen-rendezvous"),
+        ("ServiceAccount", "qwen-rendezvous"), ("ClusterRoleBinding", "disagg-rendezvous:ml:qwen"),
         ("Service", "qwen-prefill"), ("StatefulSet", "qwen-prefill"), ("PodDisruptionBudget", "qwen-prefill"),
         ("Service", "qwen-decode"), ("StatefulSet", "qwen-decode"), ("PodDisruptionBudget", "qwen-decode"),
         ("Service", "qwen-router"), ("Deployment", "qwen-router")])
     for doc in docs:
-        assert doc["metadata"]["namespace"] == "ml"
+        # The rendezvous' ClusterRoleBinding (spec.rendezvous.auth: kubernetes) has no namespace.
+        assert doc["metadata"].get("namespace") == (None if doc["kind"] == "ClusterRoleBinding" else "ml")
         assert "ownerReferences" not in doc["metadata"]  # no uid offline
     [sts] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "qwen-decode"]
     assert sts["spec"]["replicas"] == 2
@@ -89,7 +91,11 @@ def test_namespace_defaults_when_the_cr_has_none(capsys, tmp_path):
     path.write_text(CR.replace("  namespace: ml\n", ""))
     code, out, _ = render(capsys, ["-f", str(path)])
     assert code == 0
-    assert {d["metadata"]["namespace"] for d in yaml.safe_load_all(out)} == {"default"}
+    docs = list(yaml.safe_load_all(out))
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "ClusterRoleBinding"} == {"default"}
+    [binding] = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    assert binding["metadata"]["name"] == "disagg-rendezvous:default:qwen"
+    assert binding["subjects"][0]["namespace"] == "default"
 
 
 @pytest.mark.parametrize("edit, field", [
@@ -132,7 +138,7 @@ def test_command_line_entry_point(cr_file):
     ok = subprocess.run([sys.executable, "-m", "disagg.cli", "render", "-f", str(cr_file)],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
-    assert len(list(yaml.safe_load_all(ok.stdout))) == 11
+    assert len(list(yaml.safe_load_all(ok.stdout))) == 13
     bad = subprocess.run([sys.executable, "-m", "disagg.cli", "render", "-f", "-"],
                          input=CR.replace("nvidia-h200", "h300"), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "spec.accelerator.profile" in bad.stderr

@@ -83,7 +83,8 @@ never silently ignored. */}}
 
 {{/*
 The rules the operator needs in every namespace it serves. Each one is used by operator/ or by kopf; nothing
-here deletes (owner references let the garbage collector remove children) and nothing reads Secrets.
+here deletes (owner references let the garbage collector remove children) and nothing reads Secrets. The one
+delete the operator holds is on its rendezvous ClusterRoleBindings, in clusterRules below.
 */}}
 {{- define "disagg-operator.namespacedRules" -}}
 # DisaggregatedInference: kopf lists and watches it and patches its annotations (kopf's progress and diff-base
@@ -111,11 +112,19 @@ here deletes (owner references let the garbage collector remove children) and no
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["list", "watch", "create", "patch"]
-# The rendezvous token Secret, created once per DisaggregatedInference (operator/reconciler.py). Create only:
-# the operator never reads, lists or updates Secrets; pods receive the token through secretKeyRef.
+# The rendezvous token Secret (spec.rendezvous.auth: token), created once per DisaggregatedInference
+# (operator/reconciler.py). Create only: the operator never reads, lists or updates Secrets; pods receive the
+# token through secretKeyRef.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
+{{- if .Values.rbac.tokenReview }}
+# spec.rendezvous.auth: kubernetes (the default): each DisaggregatedInference's rendezvous runs as its own
+# ServiceAccount, server-side applied and owned by the CR (the garbage collector removes it).
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["create", "patch"]
+{{- end }}
 # Engine pods: watched for failed preflight checks and restarts (Degraded condition). Never written.
 - apiGroups: [""]
   resources: ["pods"]
@@ -152,10 +161,23 @@ here deletes (owner references let the garbage collector remove children) and no
   verbs: ["list", "watch", "create", "patch"]
 {{- end }}
 {{- if .Values.rbac.tokenReview }}
-# TokenReview for the rendezvous: `disagg rendezvous --auth kubernetes` checks engine pods' ServiceAccount tokens
-# with it. Nothing in operator/ calls it yet (the rendezvous runs `--auth token`); rbac.tokenReview=false drops it.
-- apiGroups: ["authentication.k8s.io"]
-  resources: ["tokenreviews"]
-  verbs: ["create"]
+# spec.rendezvous.auth: kubernetes (the default): the operator binds each rendezvous' ServiceAccount to
+# system:auth-delegator, so that the rendezvous can verify engine pods' tokens with TokenReviews. Binding a role
+# needs its permissions or `bind` on it: `bind` on that one ClusterRole, so the operator can grant nothing else
+# (and sends no TokenReview itself).
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["clusterroles"]
+  verbs: ["bind"]
+  resourceNames: ["system:auth-delegator"]
+# The bindings, one per DisaggregatedInference (server-side apply: create, patch). Cluster-scoped, so no owner
+# reference and no garbage collection: the operator lists the ones it labelled and deletes those whose CR is
+# gone (or now uses auth token). THE ONE DELETE THE OPERATOR HOLDS. RBAC cannot limit a delete by label; the code
+# deletes only bindings with its labels, its `disagg-rendezvous:` name, roleRef system:auth-delegator and a CR in
+# a namespace it serves, with the UID and resourceVersion it checked as preconditions.
+# rbac.tokenReview=false drops these rules (and the ServiceAccount rule): CRs must then set
+# spec.rendezvous.auth: token.
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["clusterrolebindings"]
+  verbs: ["list", "create", "patch", "delete"]
 {{- end }}
 {{- end }}
