@@ -1,8 +1,10 @@
 """`disagg rendezvous --auth kubernetes` against the real apiserver: pod-bound ServiceAccount tokens from the
-TokenRequest API, verified by the rendezvous with TokenReviews (using the test cluster's admin kubeconfig)."""
+TokenRequest API, verified by the rendezvous with TokenReviews; first as the test cluster's admin, then as the
+ServiceAccount the operator creates and binds for a deployment's rendezvous."""
 from __future__ import annotations
 
 import json
+import time
 
 import aiohttp
 import pytest
@@ -10,10 +12,16 @@ from lightkube.models.authentication_v1 import BoundObjectReference, TokenReques
 from lightkube.models.core_v1 import Container, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod, ServiceAccount
+from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 
 from disagg import cli
 from disagg.connector.rendezvous import DEFAULT_AUDIENCE, build_server
+from disagg.operator.names import rendezvous_binding_name
+from support.dinf import Dinf, create, is_ready, small
+from support.kube import token_kubeconfig, watch_until
+from support.operator import OperatorProcess
 from support.rendezvous import advert_json, run_async
+from support.tools import can_i
 
 pytestmark = pytest.mark.cluster
 
@@ -105,5 +113,96 @@ def test_pod_bound_tokens_are_verified_with_token_reviews(cluster, namespace):
             assert [a.pod_name for a in server.registry.engines()] == ["qwen-decode-0"]
         finally:
             await server.stop()
+
+    scenario()
+
+
+# -- end to end: the identity the operator gives a deployment's rendezvous ----------------------------------
+@pytest.fixture
+def operator(cluster, crd_installed, tmp_path):
+    op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+
+
+def _engine_token(cluster, pod: Pod) -> str:
+    """What the kubelet projects into an engine pod (spec.rendezvous.auth: kubernetes): a token of the pod's
+    ServiceAccount, bound to the pod, for the rendezvous' audience. kwok runs no kubelet, so ask the TokenRequest
+    API for the same token the projected volume would hold."""
+    [volume] = [v for v in pod.spec.volumes if v.name == "rendezvous-token"]
+    source = volume.projected.sources[0].serviceAccountToken
+    spec = TokenRequestSpec(audiences=[source.audience], expirationSeconds=source.expirationSeconds,
+                            boundObjectRef=BoundObjectReference(kind="Pod", apiVersion="v1", name=pod.metadata.name,
+                                                                uid=pod.metadata.uid))
+    return cluster.client.create(ServiceAccount.Token(metadata=ObjectMeta(), spec=spec),
+                                 name=pod.spec.serviceAccountName, namespace=pod.metadata.namespace).status.token
+
+
+def _await_allowed(kubeconfig, *args: str, timeout: float = 30) -> None:
+    """The apiserver's RBAC authorizer follows bindings through an informer; nothing to watch for its cache, so
+    ask until it answers yes."""
+    deadline = time.monotonic() + timeout
+    while not can_i(kubeconfig, *args):
+        assert time.monotonic() < deadline, f"{kubeconfig} still may not {args} after {timeout}s"
+        time.sleep(0.2)
+
+
+def test_the_operators_binding_lets_the_rendezvous_verify_its_engines_tokens(cluster, operator, namespace,
+                                                                              tmp_path):
+    """A rendezvous runs here as the ServiceAccount the operator made for deployment alpha (a TokenRequest token,
+    as its pod would have), in `--auth kubernetes` mode. Tokens of alpha's engine pods register; a token of
+    deployment beta's engine pod is refused with 403. The same rendezvous as a ServiceAccount without the
+    operator's binding cannot verify anything (503): the binding is what makes it work."""
+    alpha, beta = (create(cluster, namespace, small(n)) for n in ("alpha", "beta"))
+    for name in (alpha, beta):
+        watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60, what="Ready")
+    watch_until(cluster, ClusterRoleBinding, rendezvous_binding_name(namespace, alpha), lambda b: True, timeout=30)
+    pods = {p: cluster.client.get(Pod, p, namespace=namespace)
+            for p in (f"{alpha}-prefill-0", f"{alpha}-decode-0", f"{beta}-decode-0")}
+    tokens = {p: _engine_token(cluster, pod) for p, pod in pods.items()}
+
+    as_alpha = token_kubeconfig(cluster, namespace, f"{alpha}-rendezvous", tmp_path / "alpha")
+    cluster.client.create(ServiceAccount(metadata=ObjectMeta(name="unbound", namespace=namespace)))
+    as_unbound = token_kubeconfig(cluster, namespace, "unbound", tmp_path / "unbound")
+    _await_allowed(as_alpha, "create", "tokenreviews.authentication.k8s.io")
+    assert not can_i(as_unbound, "create", "tokenreviews.authentication.k8s.io")
+
+    def server_as(kubeconfig):
+        return build_server(cli.parser().parse_args([
+            "rendezvous", "--auth", "kubernetes", "--deployment", alpha, "--namespace", namespace,
+            "--kubeconfig", str(kubeconfig), "--heartbeat-seconds", "1"]))
+
+    def adv(pod_name: str) -> dict:
+        pod = pods[pod_name]
+        role = pod.metadata.labels["serving.disagg.io/role"]
+        return advert_json(f"{pod_name}-{pod.metadata.uid}", role=role, deployment=alpha, pod_name=pod_name,
+                           pod_uid=pod.metadata.uid)
+
+    @run_async(60)
+    async def scenario():
+        servers = {"alpha": server_as(as_alpha), "unbound": server_as(as_unbound)}
+        urls = {k: await s.start("127.0.0.1", 0) for k, s in servers.items()}
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def put(server: str, pod_name: str) -> tuple[int, dict]:
+                    body = adv(pod_name)
+                    async with http.put(f"{urls[server]}/v1/engines/{body['engine_id']}", data=json.dumps(body),
+                                        headers={"Authorization": f"Bearer {tokens[pod_name]}"}) as resp:
+                        return resp.status, json.loads(await resp.read())
+
+                for pod_name in (f"{alpha}-prefill-0", f"{alpha}-decode-0"):
+                    status, body = await put("alpha", pod_name)
+                    assert status == 201, body
+                status, body = await put("alpha", f"{beta}-decode-0")
+                assert status == 403 and f"not an engine of deployment '{alpha}'" in body["error"], body
+                status, body = await put("unbound", f"{alpha}-prefill-0")
+                assert status == 503 and body["reason"] == "auth_unavailable", body
+            assert sorted(a.pod_name for a in servers["alpha"].registry.engines()) == \
+                [f"{alpha}-decode-0", f"{alpha}-prefill-0"]
+            assert len(servers["unbound"].registry) == 0
+        finally:
+            for s in servers.values():
+                await s.stop()
 
     scenario()
