@@ -28,7 +28,7 @@ def _cluster(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from disagg.devcluster import demo
 
-    demo.run(keep=args.keep)
+    demo.run(keep=args.keep, engines=args.engines)
 
 
 def _render(args: argparse.Namespace) -> None:
@@ -95,8 +95,10 @@ def parser() -> argparse.ArgumentParser:
     u.add_argument("--fleet", help="node counts, e.g. p5en=4,trn2=2,trn1=1,m7i=2 (default) or p5en=200")
     c.set_defaults(func=_cluster)
 
-    d = sub.add_parser("demo", help="bring up the local cluster and show the product working")
+    d = sub.add_parser("demo", help="bring up the local cluster and real engines and show the product working")
     d.add_argument("--keep", action="store_true", help="leave the cluster running until Ctrl-C")
+    d.add_argument("--no-engines", dest="engines", action="store_false",
+                   help="skip the real vLLM engines (push and pull through the router): the control plane only")
     d.set_defaults(func=_demo)
 
     from disagg.operator import run as operator_run

@@ -1,5 +1,6 @@
 """The README's main command: bring up the local control plane, run the operator against it, apply the
-Qwen3-32B p5en example and show it becoming Ready on the right nodes."""
+Qwen3-32B p5en example and show it becoming Ready on the right nodes; then serve a request on real vLLM CPU
+engines through the rendezvous and the router in push and pull mode (demo_engines.py)."""
 from __future__ import annotations
 
 import os
@@ -34,8 +35,25 @@ POD_COLUMNS = ("custom-columns=POD:.metadata.name,ROLE:.metadata.labels.app\\.ku
                "HUGEPAGES:.spec.containers[0].resources.limits.hugepages-2Mi,READY:.status.containerStatuses[0].ready")
 
 
-def run(keep: bool = False) -> None:
+def run(keep: bool = False, engines: bool = True) -> None:
+    """The control plane (a CR becoming Ready), then real engines serving through the router in push and pull
+    mode. The cluster is stopped before the engines start so they get the cores, unless `keep` leaves it up."""
+    from . import demo_engines
+
+    try:
+        _control_plane(keep, engines_while_up=engines and keep)
+        if engines and not keep:
+            demo_engines.run()
+    except KeyboardInterrupt:
+        print("\nCtrl-C: everything the demo started is stopped", flush=True)
+    except demo_engines.DemoFailed as e:
+        raise SystemExit(f"\ndemo failed: {e}")
+
+
+def _control_plane(keep: bool, engines_while_up: bool = False) -> None:
     from disagg.operator import crdgen
+
+    from . import demo_engines
 
     _say("building the control plane from Go modules (cached after the first run)")
     build.ensure_built()
@@ -75,10 +93,10 @@ def run(keep: bool = False) -> None:
         _kubectl(c, "get", "dinf", "qwen3-32b", "-o",
                  "jsonpath={range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{\"\\n\"}{end}")
         if keep:
+            if engines_while_up:
+                demo_engines.run()
             print(f"\nexport KUBECONFIG={c.kubeconfig}\nThe cluster stays up; Ctrl-C stops it.", flush=True)
             c.processes[0].popen.wait()  # type: ignore[union-attr]
-    except KeyboardInterrupt:
-        pass
     finally:
         if operator is not None and operator.poll() is None:
             os.killpg(operator.pid, signal.SIGTERM)
