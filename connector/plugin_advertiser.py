@@ -7,9 +7,11 @@ without asking its side channel (`plugin_prewarm`).
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -79,14 +81,28 @@ class EngineAdvertiser:
             client_factory=lambda: RendezvousClient(url, token=token, token_file=token_file, timeout=5.0))
 
     def start(self) -> None:
+        """Advertise once the engine has served one request of its own (in the background; returns at once).
+
+        Routers only send traffic to advertised engines, and prefill engines only pre-load advertised peers; a
+        fresh vLLM process's first request is measurably slower than later ones (bench/cold_pair.py), so the
+        engine pays that cost on a request of its own instead of a client's. `DISAGG_WARMUP=0` skips it."""
+        self._stopping = threading.Event()
+        self._deregister_on_sigterm()
+        threading.Thread(target=self._warm_then_register, name="disagg-advertise", daemon=True).start()
+
+    def _warm_then_register(self) -> None:
+        if self.settings.env.get("DISAGG_WARMUP", "1") != "0":
+            warm_up(f"http://127.0.0.1:{self.settings.http_port}", self._stopping)
+        if self._stopping.is_set():
+            return
         a = self.advertisement
         log.info("disagg plugin: advertising %s engine %s (transport %s, %d handshake payload(s)) to %s", a.role,
                  a.engine_id, a.transport, len((a.kv_metadata or {}).get("ranks", {})),  # type: ignore[union-attr]
                  self.url)
         self.registration.start_thread()
-        self._deregister_on_sigterm()
 
     def stop(self) -> None:
+        self._stopping.set()
         self.registration.stop_thread(deregister=True)
 
     def _deregister_on_sigterm(self) -> None:
@@ -101,6 +117,7 @@ class EngineAdvertiser:
         previous = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum: int, frame: object) -> None:
+            self._stopping.set()
             self.registration.request_stop(deregister=False)
             self.deregister_now()
             if callable(previous):
@@ -137,3 +154,34 @@ class EngineAdvertiser:
         except Exception as e:  # the lease ends it anyway
             log.info("disagg plugin: deregistering on SIGTERM failed: %s", e)
             return False
+
+
+def warm_up(base_url: str, stop: threading.Event, wait_s: float = 900.0) -> bool:
+    """Wait for the engine's own OpenAI server, then send it one tiny completion. Never raises."""
+    deadline = time.monotonic() + wait_s
+    t0 = time.monotonic()
+    while not stop.is_set():
+        try:
+            with urllib.request.urlopen(base_url + "/v1/models", timeout=2) as r:
+                model = json.load(r)["data"][0]["id"]
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                log.info("disagg plugin: no answer from %s/v1/models in %.0f s; advertising without a warm-up",
+                         base_url, wait_s)
+                return False
+            stop.wait(0.5)  # the server starts after the engine core: nothing to await but polling
+    else:
+        return False
+    body = json.dumps({"model": model, "prompt": "warm up", "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(base_url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+        log.info("disagg plugin: warmed up with one request of its own (%.1f s after KV registration)",
+                 time.monotonic() - t0)
+        return True
+    except Exception as e:  # e.g. an --api-key server: advertise anyway
+        log.info("disagg plugin: warm-up request failed (%s); advertising anyway", e)
+        return False

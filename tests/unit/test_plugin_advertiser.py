@@ -27,6 +27,7 @@ CHILD = textwrap.dedent('''
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1),
         cache_config=SimpleNamespace(block_size=128), model_config=SimpleNamespace(model="m", dtype="bf16"))
     env = {"DISAGG_RENDEZVOUS_URL": sys.argv[1], "DISAGG_RENDEZVOUS_TOKEN": "tok", "DISAGG_HEARTBEAT_SECONDS": "1"}
+    env["DISAGG_WARMUP"] = "0"  # no engine HTTP server here
     EngineAdvertiser(PluginSettings.from_vllm(cfg, env), {(0, 0): b"payload"}, "h", "UCX", "127.0.0.1", 5600).start()
     print("advertising", flush=True)
     while True:
