@@ -140,6 +140,9 @@ class TestPush:
         """Prefill loads the new decode's agent from the rendezvous and releases the old one: no stale agent."""
         p, d = push_pair.prefill, push_pair.decode
         old_id = d.spec.engine_id
+        # The previous test restarted the rendezvous: the engine re-registers within a few heartbeats, and only an
+        # engine that is registered can be seen to deregister.
+        await_advertised(push_pair.rendezvous.url, old_id, timeout=30)
         d.restart()
         d.wait_ready()
         assert d.spec.engine_id != old_id
