@@ -24,6 +24,13 @@ functions, `connector/pd_protocol.py`):
                 (not run by default) the plugin arm, plus one plain (non-disaggregated) request to the new decode
                 engine before the cold request: the cold request is still the pair's first transfer, but no
                 longer the decode engine's first request. Separates the pair's cost from a new engine's own.
+  plugin-short-warmup
+                (not run by default) the plugin arm with its self warm-up cut to a 3-token prompt
+                (DISAGG_WARMUP_TOKENS=3), the warm-up the plugin shipped before it used a multi-block prompt:
+                before/after for that change.
+  plugin-settled
+                (not run by default) the plugin arm with the cold request sent 1 s after the pre-loading was
+                logged instead of at once: whether any cost is still in flight after the load.
 
 Per fresh pair: the cold request (the pair's first ever), then --warm requests one at a time, every prompt the
 same length but with its own leading tag (no prefix-cache hits). TTFT is measured by this client: both legs
@@ -79,8 +86,13 @@ ARMS = {
     "plugin-lazy": "the plugin without a rendezvous: its CPU-affinity repair, but vLLM's lazy handshake",
     "plugin-decode-warmed": "the plugin arm plus one plain (non-P/D) request to each new decode engine before the "
                             "cold request: the pair's first transfer, but not the decode engine's first request",
+    "plugin-short-warmup": "the plugin arm with the engines' self warm-up cut to a 3-token prompt (the plugin's "
+                           "warm-up before 2026-11-30): separates what a multi-block warm-up prompt buys",
+    "plugin-settled": "the plugin arm, with the cold request sent 1 s after both engines logged the pre-loading "
+                      "instead of at once: separates costs still in flight after the load (transport set-up) from "
+                      "costs of the first request itself",
 }
-PREWARMING = ("plugin", "plugin-decode-warmed")  # arms with a rendezvous, which wait for the peers' pre-loading
+PREWARMING = ("plugin", "plugin-decode-warmed", "plugin-settled", "plugin-short-warmup")  # arms with a rendezvous, which wait for the peers' pre-loading
 PREFILL_LOADED = "loaded decode engine {id}'s NIXL agent from its advertisement"
 DECODE_LOADED = "loaded prefill engine {id}'s NIXL agent from its advertisement"
 LAZY = "side-channel handshake with engine {id}"  # the plugin's fallback to vLLM's lazy handshake
@@ -255,6 +267,8 @@ async def run_pair(session: aiohttp.ClientSession, arm: str, i: int, prefill: Lo
                 f"health; sending the cold request anyway")
     if previous is not None:
         await asyncio.to_thread(previous.join)  # the previous decode is gone before anything is measured
+    if arm == "plugin-settled":
+        await asyncio.sleep(1.0)
     if arm == "plugin-decode-warmed":
         plain = await one(session, via(decode.url), -1, prompts.next(f"pair{i}/decode-warmup"), cfg.max_tokens,
                           cfg.timeout)
@@ -314,6 +328,8 @@ async def run_arm(arm: str, cfg: Config, python: Path, model: Path, logs: Path, 
     if arm in PREWARMING:
         opts["extra_env"] = {"DISAGG_RENDEZVOUS_URL": rendezvous_url, "DISAGG_RENDEZVOUS_TOKEN": TOKEN,
                              "DISAGG_HEARTBEAT_SECONDS": str(HEARTBEAT), "DISAGG_DEPLOYMENT": DEPLOYMENT}
+        if arm == "plugin-short-warmup":
+            opts["extra_env"]["DISAGG_WARMUP_TOKENS"] = "3"
     prefill = LocalEngine(EngineSpec(f"{arm}-prefill", "prefill", model, core=0, mode="push", **opts), python, logs)
     out: dict = {"arm": arm, "description": ARMS[arm]}
     pairs: list[Pair] = []

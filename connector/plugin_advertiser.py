@@ -92,7 +92,7 @@ class EngineAdvertiser:
 
     def _warm_then_register(self) -> None:
         if self.settings.env.get("DISAGG_WARMUP", "1") != "0":
-            warm_up(f"http://127.0.0.1:{self.settings.http_port}", self._stopping)
+            warm_up(f"http://127.0.0.1:{self.settings.http_port}", self._stopping, self.settings.warmup_prompt())
         if self._stopping.is_set():
             return
         a = self.advertisement
@@ -156,8 +156,12 @@ class EngineAdvertiser:
             return False
 
 
-def warm_up(base_url: str, stop: threading.Event, wait_s: float = 900.0) -> bool:
-    """Wait for the engine's own OpenAI server, then send it one tiny completion. Never raises."""
+def warm_up(base_url: str, stop: threading.Event, prompt: list[int], wait_s: float = 900.0) -> bool:
+    """Wait for the engine's own OpenAI server, then send it the same prompt twice. Never raises.
+
+    The first request runs a full prefill over several KV blocks (a prefill engine's work); the second finds
+    the prompt's full blocks in the prefix cache and computes only the tail against them, the shape of a decode
+    engine's first step after it received a request's KV."""
     deadline = time.monotonic() + wait_s
     t0 = time.monotonic()
     while not stop.is_set():
@@ -173,14 +177,15 @@ def warm_up(base_url: str, stop: threading.Event, wait_s: float = 900.0) -> bool
             stop.wait(0.5)  # the server starts after the engine core: nothing to await but polling
     else:
         return False
-    body = json.dumps({"model": model, "prompt": "warm up", "max_tokens": 2, "temperature": 0}).encode()
-    req = urllib.request.Request(base_url + "/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
     try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            r.read()
-        log.info("disagg plugin: warmed up with one request of its own (%.1f s after KV registration)",
-                 time.monotonic() - t0)
+        for _ in range(2):
+            req = urllib.request.Request(base_url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                r.read()
+        log.info("disagg plugin: warmed up with two requests of its own (%d prompt tokens; %.1f s after KV "
+                 "registration)", len(prompt), time.monotonic() - t0)
         return True
     except Exception as e:  # e.g. an --api-key server: advertise anyway
         log.info("disagg plugin: warm-up request failed (%s); advertising anyway", e)

@@ -198,9 +198,11 @@ class PeerPrewarmer:
             with w._handshake_lock:
                 loaded = engine_id in w._remote_agents and engine_id not in w._handshake_futures
             if loaded:
+                t0 = time.perf_counter()
                 w._cleanup_remote_engine(engine_id, log_eviction=False)
                 self.counts["released"] += 1
-                log.info("disagg plugin: released NIXL agent of departed engine %s", engine_id)
+                log.info("disagg plugin: released NIXL agent of departed engine %s in %.1f ms", engine_id,
+                         (time.perf_counter() - t0) * 1000)
 
 
 class _MissingRank(Exception):

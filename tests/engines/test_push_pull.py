@@ -75,8 +75,8 @@ class TestPush:
         p, d = push_pair.prefill, push_pair.decode
         await_log(p, f"loaded decode engine {d.spec.engine_id}'s NIXL agent from its advertisement")
         await_log(d, f"loaded prefill engine {p.spec.engine_id}'s NIXL agent from its advertisement")
-        for engine in (p, d):  # each engine served a request of its own before it advertised itself
-            assert log_lines(engine, "warmed up with one request of its own")
+        for engine in (p, d):  # each engine served requests of its own (2.5 KV blocks) before it advertised itself
+            assert log_lines(engine, "warmed up with two requests of its own (320 prompt tokens")
         url = push_pair.router.url
         await_status(url + "/health")
         status, resp = post(url + "/v1/completions", completion(PROMPTS[0]))
