@@ -64,13 +64,13 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pd_serving import (ALPHABET, Proc, Result, advertisement, completion_body, cpu_sample,  # noqa: E402
-                        direct_push, ms, one, quantile, via)
+from pd_client import (ALPHABET, Result, advertisement, completion_body, cpu_sample, direct_push, ms,  # noqa: E402
+                       one, quantile, via)
 
 from disagg.devcluster import tinymodel, vllm_env  # noqa: E402
 from disagg.devcluster.build import cache_dir  # noqa: E402
-from disagg.devcluster.cluster import free_port  # noqa: E402
 from disagg.devcluster.engines import EngineSpec, LocalEngine  # noqa: E402
+from disagg.devcluster.procs import DisaggService, disagg_exe  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -487,24 +487,22 @@ async def main_async(args: argparse.Namespace) -> dict:
     logs = Path(args.logs or cache_dir() / "bench-logs" / time.strftime("cold-pair-%Y%m%d-%H%M%S"))
     logs.mkdir(parents=True, exist_ok=True)
     log(f"engine and rendezvous logs: {logs}")
-    disagg = str(Path(sys.executable).parent / "disagg")
     plugin_dir, source = None, plugin_source()  # what install-plugin copies now, not what the tree holds later
     if any(a != "no-plugin" for a in arms):
         plugin_dir = logs / "plugin"
-        subprocess.run([disagg, "install-plugin", str(plugin_dir)], check=True, capture_output=True)
+        subprocess.run([disagg_exe(), "install-plugin", str(plugin_dir)], check=True, capture_output=True)
     load0 = Path("/proc/loadavg").read_text().split()[:3]
     started = time.monotonic()
     cfg.deadline = started + args.budget_s
-    rendezvous: Proc | None = None
+    rendezvous: DisaggService | None = None
     results: dict[str, dict] = {}
     try:
         rendezvous_url = None
         if set(arms) & set(PREWARMING):
-            port = free_port()
-            rendezvous = Proc("rendezvous", [disagg, "rendezvous", "--auth", "token", "--token", TOKEN,
-                                             "--heartbeat-seconds", str(HEARTBEAT), "--deployment", DEPLOYMENT,
-                                             "--host", "127.0.0.1", "--port", str(port)], logs).start()
-            rendezvous_url = f"http://127.0.0.1:{port}"
+            rendezvous = DisaggService("rendezvous", ["rendezvous", "--auth", "token", "--token", TOKEN,
+                                                      "--heartbeat-seconds", str(HEARTBEAT), "--deployment",
+                                                      DEPLOYMENT], logs).start()
+            rendezvous_url = rendezvous.url
             rendezvous.wait_http(rendezvous_url + "/health", timeout=30)
         for arm in arms:
             if time.monotonic() > cfg.deadline:

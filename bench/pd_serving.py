@@ -50,33 +50,31 @@ import math
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.connector import pd_protocol as pd
 from disagg.connector.advertisement import EngineAdvertisement
 from disagg.devcluster import tinymodel, vllm_env
 from disagg.devcluster.build import cache_dir
-from disagg.devcluster.cluster import die_with_parent, free_port
+from disagg.devcluster.cluster import free_port
 from disagg.devcluster.engines import EngineSpec, LocalEngine
+from disagg.devcluster.procs import DisaggService, HttpChild, disagg_exe
+
+from pd_client import (ALPHABET, LAYOUT, Result, Sender, advertisement, cpu_sample, direct_pull, direct_push, dist,
+                       ms, one, quantile, via)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 VLLM_ROUTER_VERSION = "0.1.17"
-LAYOUT = "tiny-bf16-128"
-ALPHABET = "abcdefghijklmnopqrstuvwxyz     "
 DEFAULT_CELLS = "256@1,256@2,1024@0.5,2048@0.5"
 ARMS = {  # arm -> phase
     "direct-push": "push", "router-push-concurrent": "push", "router-push-sequential": "push",
@@ -146,147 +144,7 @@ def arm_tag(arm: str, cell: Cell | None = None) -> str:
     return uuid.uuid5(uuid.NAMESPACE_URL, f"{arm}/{cell.name if cell else 'warm'}").hex[:8]
 
 
-# -- one request -----------------------------------------------------------------------------------------------
-@dataclass
-class Result:
-    idx: int
-    ok: bool
-    error: str | None = None
-    sent: float = 0.0  # monotonic
-    ttft: float | None = None
-    e2e: float | None = None
-    tokens: int = 0
-    handoff: float | None = None  # direct arms only
-    prefill: float | None = None  # direct arms only: send -> prefill response
-
-
-def completion_body(prompt: str, max_tokens: int) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-
-
-async def read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
-    """First SSE data chunk with a choice = the first token (what the router's TTFT metric also counts)."""
-    buf, chunks, usage = b"", 0, None
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            line = line.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            data = json.loads(line[5:])
-            if data.get("choices"):
-                if res.ttft is None:
-                    res.ttft = time.monotonic() - res.sent
-                chunks += 1
-            if data.get("usage"):
-                usage = data["usage"].get("completion_tokens")
-    if res.ttft is None:
-        raise RuntimeError("stream ended without a token")
-    res.tokens = usage if isinstance(usage, int) else chunks
-
-
-async def _check(resp: aiohttp.ClientResponse, what: str) -> None:
-    if resp.status != 200:
-        raise RuntimeError(f"{what} HTTP {resp.status}: {(await resp.text())[:200]}")
-
-
-Sender = Callable[[aiohttp.ClientSession, dict, Result], Awaitable[None]]
-
-
-def via(url: str) -> Sender:
-    """A router or a plain engine: one streamed request."""
-    async def send(session: aiohttp.ClientSession, body: dict, res: Result) -> None:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            await _check(resp, "completion")
-            await read_stream(resp, res)
-    return send
-
-
-def direct_push(prefill_url: str, decode_url: str, prefill_adv: EngineAdvertisement) -> Sender:
-    """Both legs at once with one X-Request-Id, as `disagg router --mode push` sends them, without the hop."""
-    async def send(session: aiohttp.ClientSession, body: dict, res: Result) -> None:
-        rid = uuid.uuid4().hex
-        hdr = {"X-Request-Id": rid}
-        params = pd.push_decode_params("completions", rid, prefill_adv)
-        prefill_done: list[float] = []
-
-        async def prefill() -> None:
-            async with session.post(prefill_url + "/v1/completions", json=pd.prefill_body("completions", body),
-                                    headers=hdr) as resp:
-                await _check(resp, "prefill")
-                await resp.read()
-            prefill_done.append(time.monotonic())
-
-        async def decode() -> None:
-            async with session.post(decode_url + "/v1/completions", json=pd.decode_body(body, params),
-                                    headers=hdr) as resp:
-                await _check(resp, "decode")
-                await read_stream(resp, res)
-
-        p, d = asyncio.create_task(prefill()), asyncio.create_task(decode())
-        try:
-            await p  # as the router does: a failed prefill cancels decode instead of letting it wait for KV
-            await d
-        finally:
-            p.cancel()
-            d.cancel()
-        res.prefill = prefill_done[0] - res.sent
-        res.handoff = max(0.0, res.ttft - res.prefill)
-    return send
-
-
-def direct_pull(prefill_url: str, decode_url: str) -> Sender:
-    """Prefill, then decode with prefill's kv_transfer_params unchanged, as `disagg router --mode pull` does."""
-    async def send(session: aiohttp.ClientSession, body: dict, res: Result) -> None:
-        hdr = {"X-Request-Id": uuid.uuid4().hex}
-        async with session.post(prefill_url + "/v1/completions", json=pd.prefill_body("completions", body),
-                                headers=hdr) as resp:
-            await _check(resp, "prefill")
-            pre = await resp.json()
-        res.prefill = time.monotonic() - res.sent
-        async with session.post(decode_url + "/v1/completions",
-                                json=pd.decode_body(body, pd.pull_decode_params(pre)), headers=hdr) as resp:
-            await _check(resp, "decode")
-            await read_stream(resp, res)
-        res.handoff = max(0.0, res.ttft - res.prefill)
-    return send
-
-
-async def one(session: aiohttp.ClientSession, send: Sender, req_idx: int, prompt: str, max_tokens: int,
-              timeout: float) -> Result:
-    res = Result(req_idx, ok=False, sent=time.monotonic())
-    try:
-        await asyncio.wait_for(send(session, completion_body(prompt, max_tokens), res), timeout)
-        res.ok = True
-    except asyncio.TimeoutError:
-        res.error = f"timeout after {timeout:g}s"
-    except Exception as e:  # noqa: BLE001 - every failure is counted, none may end the run
-        res.error = f"{type(e).__name__}: {e}"[:300]
-    res.e2e = time.monotonic() - res.sent
-    return res
-
-
 # -- statistics ------------------------------------------------------------------------------------------------
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    pos = q * (len(v) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
-def ms(x: float | None) -> float | None:
-    return None if x is None else round(x * 1000, 1)
-
-
-def dist(values: list[float]) -> dict:
-    return {"p50_ms": ms(quantile(values, 0.5)), "p99_ms": ms(quantile(values, 0.99)),
-            "mean_ms": ms(sum(values) / len(values)) if values else None, "n": len(values)}
-
-
 def histogram(metrics_text: str, name: str, labels: dict[str, str]) -> dict[float, float]:
     """Cumulative bucket counts of one histogram series (plus +inf as math.inf), and its _sum under -1."""
     out: dict[float, float] = {}
@@ -324,31 +182,6 @@ def histogram_delta(before: dict, after: dict) -> dict:
             "source": "router histogram (quantiles interpolated within buckets)"}
 
 
-def cpu_sample() -> tuple[float, float]:
-    """(busy CPU-seconds of the whole machine, CPU-seconds of this process and its descendants), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    busy = (sum(fields[:8]) - fields[3] - fields[4]) / tick  # all but idle and iowait
-    parent, cpu = {}, {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(d.name)] = int(stat[1])
-        cpu[int(d.name)] = (int(stat[11]) + int(stat[12])) / tick
-    me, ours = os.getpid(), 0.0
-    for pid, c in cpu.items():
-        p, hops = pid, 0
-        while p > 1 and p != me and hops < 64:
-            p, hops = parent.get(p, 0), hops + 1
-        if p == me:
-            ours += c
-    return busy, ours
-
-
 def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int) -> dict:
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
@@ -375,70 +208,13 @@ def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int) ->
 
 
 # -- processes -------------------------------------------------------------------------------------------------
-class Proc:
-    """A helper process (a router) that dies with us; its output goes to a log file."""
-
-    def __init__(self, name: str, argv: list[str], logs: Path, env: dict | None = None):
-        self.name, self.argv, self.log = name, argv, logs / f"{name}.log"
-        self.env = env
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Proc":
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=die_with_parent, env=self.env, cwd="/")
-        return self
-
-    def wait_http(self, url: str, timeout: float = 60, ok=(200,)) -> None:
-        deadline = time.monotonic() + timeout
-        last = None
-        while time.monotonic() < deadline:
-            if self.proc and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; log {self.log}:\n{self.log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status in ok:
-                        return
-                    last = r.status
-            except urllib.error.HTTPError as e:
-                last = e.code
-            except OSError as e:
-                last = repr(e)
-            time.sleep(0.3)  # polling another process's port: nothing to await
-        raise TimeoutError(f"{self.name}: {url} not ready in {timeout}s ({last}); log {self.log}")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-def advertisement(engine: LocalEngine, mode: str) -> EngineAdvertisement:
-    s = engine.spec
-    return EngineAdvertisement(role=s.role, engine_id=s.engine_id, deployment="bench", pod_name=s.name,
-                               http_url=engine.url, side_channel_host="127.0.0.1",
-                               side_channel_ports=[s.side_channel_port], tp_size=1, pp_size=1, dp_size=1,
-                               block_size=s.block_size, layout_key=LAYOUT, kv_mode=mode, transport="UCX")
-
-
-def disagg_exe() -> str:
-    return str(Path(sys.executable).parent / "disagg")
-
-
 def our_router(name: str, mode: str, dispatch: str, source: list[str], logs: Path,
-               timeout: float) -> tuple[Proc, str]:
+               timeout: float) -> tuple[HttpChild, str]:
     """`source`: ["--rendezvous", URL] (engines with the plugin) or ["--engines-file", PATH]."""
-    port = free_port()
-    p = Proc(name, [disagg_exe(), "router", "--mode", mode, "--dispatch", dispatch, *source,
-                    "--request-timeout", str(timeout), "--host", "127.0.0.1", "--port", str(port),
-                    "--log-level", "WARNING"], logs).start()
-    url = f"http://127.0.0.1:{port}"
-    p.wait_http(url + "/health", timeout=60)  # 200 once the probes see a healthy pair
-    return p, url
+    p = DisaggService(name, ["router", "--mode", mode, "--dispatch", dispatch, *source, "--request-timeout",
+                             str(timeout), "--log-level", "WARNING"], logs).start()
+    p.wait_http(p.url + "/health", timeout=60)  # 200 once the probes see a healthy pair
+    return p, p.url
 
 
 def vllm_router_python() -> Path:
@@ -455,14 +231,15 @@ def vllm_router_python() -> Path:
     return exe
 
 
-def vllm_router(prefill: LocalEngine, decode: LocalEngine, logs: Path, timeout: float) -> tuple[Proc, str, dict]:
+def vllm_router(prefill: LocalEngine, decode: LocalEngine, logs: Path,
+                timeout: float) -> tuple[HttpChild, str, dict]:
     exe = vllm_router_python()
     port, prom = free_port(), free_port()
     argv = [str(exe), "--vllm-pd-disaggregation", "--kv-connector", "nixl", "--prefill", prefill.url,
             "--decode", decode.url, "--policy", "round_robin", "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prom), "--request-timeout-secs",
             str(int(timeout)), "--worker-startup-check-interval", "1", "--disable-retries", "--log-level", "warning"]
-    p = Proc("vllm-router", argv, logs).start()
+    p = HttpChild("vllm-router", argv, logs / "vllm-router.log").start()
     url = f"http://127.0.0.1:{port}"
     p.wait_http(url + "/health", timeout=90)
     info = {"version": VLLM_ROUTER_VERSION, "argv": argv[1:], "kv_connector": "nixl (pull)",
@@ -638,19 +415,17 @@ class Phase:
         self.python, self.model, self.logs, self.engine_options = python, model, logs, engine_options
         self.plugin_dir = plugin_dir
         self.engines: list[LocalEngine] = []
-        self.procs: list[Proc] = []
-        self.rendezvous: Proc | None = None
+        self.procs: list[HttpChild] = []
+        self.rendezvous: HttpChild | None = None
         self.rendezvous_url: str | None = None
         self.started = time.monotonic()
 
     def start_rendezvous(self, name: str) -> str:
         """A `disagg rendezvous` for this phase's engines to advertise to and the routers to watch."""
-        port = free_port()
-        self.rendezvous = Proc(name, [disagg_exe(), "rendezvous", "--auth", "token", "--token", RENDEZVOUS_TOKEN,
-                                      "--heartbeat-seconds", str(HEARTBEAT_S), "--deployment", DEPLOYMENT,
-                                      "--host", "127.0.0.1", "--port", str(port), "--log-level", "WARNING"],
-                               self.logs).start()
-        self.rendezvous_url = f"http://127.0.0.1:{port}"
+        self.rendezvous = DisaggService(name, ["rendezvous", "--auth", "token", "--token", RENDEZVOUS_TOKEN,
+                                               "--heartbeat-seconds", str(HEARTBEAT_S), "--deployment", DEPLOYMENT,
+                                               "--log-level", "WARNING"], self.logs).start()
+        self.rendezvous_url = self.rendezvous.url
         self.rendezvous.wait_http(self.rendezvous_url + "/health", timeout=30)
         return self.rendezvous_url
 
@@ -793,9 +568,9 @@ class Stub:
     def __init__(self, name: str, role: str, logs: Path):
         self.name, self.role, self.port, self.side_channel_port = name, role, free_port(), free_port()
         self.engine_id = f"{name}-{uuid.uuid4().hex[:8]}"
-        self.proc = Proc(name, [sys.executable, str(HERE / "stub_engine.py"), "--port", str(self.port),
-                                "--side-channel-port", str(self.side_channel_port), "--engine-id", self.engine_id],
-                         logs)
+        self.proc = HttpChild(name, [sys.executable, str(HERE / "stub_engine.py"), "--port", str(self.port),
+                                     "--side-channel-port", str(self.side_channel_port), "--engine-id", self.engine_id],
+                              logs / f"{name}.log")
 
     @property
     def url(self) -> str:

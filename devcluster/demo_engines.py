@@ -11,11 +11,8 @@ machine may have only two cores.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -30,8 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from disagg.connector.router import DECODE_HEADER, PREFILL_HEADER
 
 from . import tinymodel, vllm_env
-from .cluster import die_with_parent, free_port
 from .engines import EngineFailed, EngineSpec, LocalEngine
+from .procs import ChildFailed, DisaggService, disagg_exe
 
 PROMPT = "Disaggregated serving runs the prompt on a prefill engine and streams tokens from a decode engine. "
 MAX_TOKENS = 16
@@ -108,44 +105,6 @@ def comparison(results: Iterable[Result]) -> str:
 
 
 # -- processes -----------------------------------------------------------------------------------------------
-def _disagg() -> str:
-    return str(Path(sys.executable).parent / "disagg")
-
-
-class Service:
-    """`disagg rendezvous` or `disagg router` as a child process that dies with us."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path):
-        self.name, self.args, self.port = name, args, free_port()
-        self.log = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> "Service":
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen([_disagg(), *self.args, "--host", "127.0.0.1", "--port", str(self.port)],
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=die_with_parent)
-        return self
-
-    def check(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            tail = self.log.read_text(errors="replace")[-1500:] if self.log.exists() else ""
-            raise DemoFailed(f"{self.name} exited; log {self.log}\n{tail}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
 def _poll(what: str, probe: Callable[[], object], timeout: float, alive: Callable[[], None] = lambda: None):
     """Poll another process's state until `probe` returns something truthy (there is no event to await)."""
     deadline = time.monotonic() + timeout
@@ -209,7 +168,8 @@ def _note(msg: str) -> None:
     print(f"    {msg}", flush=True)
 
 
-def _serve_one(mode: str, python: Path, model: Path, plugin_dir: Path, rendezvous: Service, logs: Path) -> Result:
+def _serve_one(mode: str, python: Path, model: Path, plugin_dir: Path, rendezvous: DisaggService,
+               logs: Path) -> Result:
     _say(f"{mode} mode: prefill engine on core 0, decode engine on core 1, `disagg router --mode {mode}`")
     env = {"DISAGG_RENDEZVOUS_URL": rendezvous.url, "DISAGG_RENDEZVOUS_TOKEN": TOKEN,
            "DISAGG_HEARTBEAT_SECONDS": str(HEARTBEAT), "DISAGG_DEPLOYMENT": DEPLOYMENT}
@@ -217,7 +177,7 @@ def _serve_one(mode: str, python: Path, model: Path, plugin_dir: Path, rendezvou
                                      extra_env=env), python, logs)
     decode = LocalEngine(EngineSpec(f"{mode}-decode", "decode", model, core=1, mode=mode, plugin_dir=plugin_dir,
                                     extra_env=env), python, logs)
-    router: Service | None = None
+    router: DisaggService | None = None
     try:
         t0 = time.monotonic()
         _note("starting both engines (vLLM start-up takes about half a minute on a CPU core)")
@@ -250,10 +210,9 @@ def _serve_one(mode: str, python: Path, model: Path, plugin_dir: Path, rendezvou
                 _note(f"{engine.spec.role} did not log pre-warming {peer.spec.role} in {PREWARM_WAIT:.0f}s; going on "
                       f"(the first request handshakes lazily)")
 
-        router = Service(f"{mode}-router", ["router", "--mode", mode, "--rendezvous", rendezvous.url,
-                                            "--request-timeout", "60"], logs).start()
-        _poll(f"the {mode} router found no healthy pair", lambda: _get(router.url + "/health")[0] == 200, 60,
-              router.check)
+        router = DisaggService(f"{mode}-router", ["router", "--mode", mode, "--rendezvous", rendezvous.url,
+                                                  "--request-timeout", "60"], logs).start()
+        router.wait_http(router.url + "/health", 60)  # 200 once it sees a healthy pair
         _note(f"router {router.url} is healthy: it sees the pair through the rendezvous")
 
         _say(f"{mode} mode: a streamed completion through the router (greedy, {MAX_TOKENS} tokens), then again")
@@ -307,15 +266,16 @@ def run(modes: tuple[str, ...] = ("push", "pull")) -> list[Result]:
     logs, plugin_dir = work / "logs", work / "plugin"
     logs.mkdir()
     ok = False
-    rendezvous: Service | None = None
+    rendezvous: DisaggService | None = None
     t0 = time.monotonic()
     try:
-        subprocess.run([_disagg(), "install-plugin", str(plugin_dir)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([disagg_exe(), "install-plugin", str(plugin_dir)], check=True, stdout=subprocess.DEVNULL)
         _note(f"`disagg install-plugin {plugin_dir}`: the connector plugin, as an engine pod's init container "
               "installs it")
-        rendezvous = Service("rendezvous", ["rendezvous", "--auth", "token", "--token", TOKEN, "--heartbeat-seconds",
-                                            str(HEARTBEAT), "--deployment", DEPLOYMENT], logs).start()
-        _poll("the rendezvous did not start", lambda: _get(rendezvous.url + "/health")[0] == 200, 30, rendezvous.check)
+        rendezvous = DisaggService("rendezvous", ["rendezvous", "--auth", "token", "--token", TOKEN,
+                                                  "--heartbeat-seconds", str(HEARTBEAT), "--deployment", DEPLOYMENT],
+                                   logs).start()
+        rendezvous.wait_http(rendezvous.url + "/health", 30)
         _note(f"`disagg rendezvous --auth token` at {rendezvous.url}: engines advertise here, routers watch")
         results = [_serve_one(mode, python, model, plugin_dir, rendezvous, logs) for mode in modes]
         _say("push vs pull (two requests each on a shared 2-core machine: a demo, not a benchmark; see bench/)")
@@ -323,7 +283,7 @@ def run(modes: tuple[str, ...] = ("push", "pull")) -> list[Result]:
         _note(f"(the engine part took {time.monotonic() - t0:.0f}s, most of it vLLM starting and stopping)")
         ok = True
         return results
-    except (EngineFailed, subprocess.CalledProcessError) as e:
+    except (EngineFailed, ChildFailed, subprocess.CalledProcessError) as e:
         raise DemoFailed(str(e)) from e
     finally:
         if rendezvous is not None:

@@ -2,17 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
-from disagg.devcluster.cluster import die_with_parent, free_port
+from disagg.devcluster.procs import DisaggService
 from support.metrics import scrape
 
 
@@ -29,53 +24,13 @@ def chat(prompt: str) -> dict:
             "temperature": 0, "ignore_eos": True}
 
 
+class Service(DisaggService):
+    """`disagg rendezvous` or `disagg router` as a child process; start() returns once it serves."""
 
-class Service:
-    """`disagg rendezvous` or `disagg router` as a child process."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path, port: int | None = None):
-        self.name, self.args, self.port = name, args, port or free_port()
-        self.log = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, ready_path: str = "/health", timeout: float = 30, ok=(200,)) -> "Service":
-        cmd = [str(Path(sys.executable).parent / "disagg"), *self.args, "--host", "127.0.0.1", "--port",
-               str(self.port)]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=die_with_parent)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {self.log.read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(self.url + ready_path, timeout=1)
-                return self
-            except urllib.error.HTTPError as e:
-                if e.code in ok:
-                    return self
-                if ready_path == "/health":
-                    return self  # serving, just not ready to route yet
-            except OSError:
-                time.sleep(0.1)  # nothing to await until the port listens
-        raise TimeoutError(f"{self.name} not up after {timeout}s; log {self.log}")
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+    def start(self, ready_path: str = "/health", timeout: float = 30, ok=None) -> "Service":
+        # Any status by default: a router answers /health (503) before it has a pair to route to.
+        super().start()
+        return self.wait_http(self.url + ready_path, timeout, ok)
 
 
 def post(url: str, body: dict, timeout: float = 120, request_id: str | None = None) -> tuple[int, dict | str]:
