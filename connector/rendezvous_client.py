@@ -228,12 +228,17 @@ class EngineRegistration:
 
     def __init__(self, client: RendezvousClient | None, advertisement: Advertiser, *,
                  heartbeat_seconds: float = DEFAULT_HEARTBEAT, min_backoff: float = 0.1,
+                 attempt_timeout: float | None = None,
                  client_factory: Callable[[], RendezvousClient] | None = None) -> None:
         if client is None and client_factory is None:
             raise ValueError("give a client or a client_factory")
         self._client, self._factory = client, client_factory
         self._advertiser = advertisement if callable(advertisement) else (lambda: advertisement)
         self.heartbeat_seconds = heartbeat_seconds
+        # One attempt may not outlast half a heartbeat: a rendezvous that accepts connections but does not answer
+        # yet (restarting, overloaded) would otherwise hold the renewal for the client's whole timeout, and with
+        # it the re-registration, while the lease runs out. The retry comes with backoff instead.
+        self.attempt_timeout = attempt_timeout if attempt_timeout is not None else max(0.5, heartbeat_seconds / 2)
         self.min_backoff = min(min_backoff, heartbeat_seconds)
         self.registered = False
         self.last_error: str | None = None
@@ -254,19 +259,20 @@ class EngineRegistration:
         return self._client
 
     async def step(self) -> bool:
-        """One register-or-renew attempt. True on success."""
+        """One register-or-renew attempt, at most `attempt_timeout` seconds. True on success."""
         try:
             adv = self._advertiser()
-            if self.registered and self._sent == adv:
-                try:
-                    resp = await self.client.renew(adv.engine_id)
-                except RendezvousError as e:
-                    if e.status != 404:
-                        raise
-                    log.info("rendezvous forgot engine %s (restarted?): registering again", adv.engine_id)
+            async with asyncio.timeout(self.attempt_timeout):
+                if self.registered and self._sent == adv:
+                    try:
+                        resp = await self.client.renew(adv.engine_id)
+                    except RendezvousError as e:
+                        if e.status != 404:
+                            raise
+                        log.info("rendezvous forgot engine %s (restarted?): registering again", adv.engine_id)
+                        resp = await self.client.register(adv)
+                else:
                     resp = await self.client.register(adv)
-            else:
-                resp = await self.client.register(adv)
             self._sent, self.last_response, self.last_error = adv, resp, None
             if not self.registered:
                 log.info("engine %s registered with %s (version %d)", adv.engine_id, self.client.url, resp.version)
@@ -278,7 +284,8 @@ class EngineRegistration:
             raise
         except Exception as e:  # never into the engine
             self.registered = False
-            message = f"{type(e).__name__}: {e}"
+            message = (f"no answer within {self.attempt_timeout:g} s" if isinstance(e, TimeoutError)
+                       else f"{type(e).__name__}: {e}")
             if message != self.last_error:
                 log.warning("rendezvous registration failed: %s", message)
             self.last_error = message

@@ -392,6 +392,39 @@ async def test_registration_never_raises_and_recovers():
 
 
 @run_async()
+async def test_a_rendezvous_that_accepts_but_does_not_answer_costs_one_short_attempt():
+    """A restarting rendezvous can accept connections before it serves. One attempt must not hold the registration
+    for the client's whole timeout (here 30 s): it gives up after half a heartbeat and retries with backoff, so
+    the engine is registered again about as soon as the server answers."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        await asyncio.sleep(30)
+
+    srv = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    reg = EngineRegistration(RendezvousClient(f"http://127.0.0.1:{port}", token=TOKEN, timeout=30), advert("m1"),
+                             heartbeat_seconds=0.4)
+    assert reg.attempt_timeout == 0.5
+    started = time.monotonic()
+    assert await reg.step() is False
+    assert 0.4 <= time.monotonic() - started < 2.0 and accepted
+    assert reg.last_error == "no answer within 0.5 s" and not reg.registered
+    srv.close()
+    await srv.wait_closed()
+    reg.start()  # retries while the port is closed, then the real server comes up on it
+    async with serving(port=port) as (server, _):
+        started = time.monotonic()
+        assert await reg.wait_registered(timeout=5)
+        assert time.monotonic() - started < 1.5 and server.registry.get("m1") is not None
+        await reg.stop(deregister=False)
+    for w in accepted:
+        w.close()
+    await reg.client.close()
+
+
+@run_async()
 async def test_registration_sends_changes_and_renews_cheaply():
     async with serving() as (server, client):
         state = {"adv": advert("d1", role="decode")}
