@@ -157,6 +157,11 @@ class EngineSpec(Model):
     """KV cache block size in tokens, identical on both roles (`--block-size`)."""
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port of the OpenAI-compatible server in each engine."""
+    drain_seconds: int = Field(default=30, ge=0, le=3600)
+    """How long a stopping engine (rolling update, scale-down, node drain) keeps working on the requests it has.
+    On SIGTERM it leaves the rendezvous at once, so routers send it nothing new, and vLLM finishes in-flight
+    requests for up to this long (`--shutdown-timeout`) before it aborts the rest. The pod's
+    terminationGracePeriodSeconds is this plus 15 seconds. 0 aborts in-flight requests at once."""
     args: list[str] = Field(default_factory=list)
     """Extra vLLM arguments appended for both roles."""
     env: list[EnvVar] = Field(default_factory=list)

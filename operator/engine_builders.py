@@ -24,6 +24,7 @@ LAUNCH_DIR = "/etc/disagg"
 PLUGIN_DIR = "/opt/disagg"
 MODELS_DIR = "/models"
 HF_CACHE_DIR = "/root/.cache/huggingface"
+DRAIN_EXIT_SECONDS = 15
 SHM_DIR = "/dev/shm"
 TERMINATION_LOG = "/dev/termination-log"
 HUGEPAGES = "hugepages-2Mi"
@@ -90,6 +91,7 @@ def engine_args(spec: DisaggregatedInferenceSpec, role_name: str) -> list[str]:
     args += ["--block-size", str(spec.engine.block_size), "--dtype", spec.model.dtype]
     if spec.model.max_model_len is not None:
         args += ["--max-model-len", str(spec.model.max_model_len)]
+    args += ["--shutdown-timeout", str(spec.engine.drain_seconds)]
     args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role_name), separators=(",", ":"))]
     return args + list(spec.engine.args) + list(role.args)
 
@@ -329,6 +331,9 @@ def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: Oper
         **({"initContainers": [install]} if spec.uses_plugin else {}),
         "containers": [engine],
         "volumes": volumes,
+        # vLLM's drain (--shutdown-timeout) plus time for its processes to exit: the kubelet's SIGKILL must not
+        # cut the drain short.
+        "terminationGracePeriodSeconds": spec.engine.drain_seconds + DRAIN_EXIT_SECONDS,
         "nodeSelector": dict(sorted({INSTANCE_TYPE_KEY: profile.instance_type, **role.node_selector}.items())),
         "tolerations": tolerations,
     }

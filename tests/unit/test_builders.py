@@ -398,6 +398,19 @@ def test_engine_args_order_and_optional_flags():
     assert prefill[-1] == "--enable-prefix-caching"
 
 
+def test_stopping_engines_drain_within_the_pods_grace_period():
+    """Rolling updates keep serving: vLLM finishes in-flight requests for drainSeconds (`--shutdown-timeout`), and
+    the kubelet waits longer than that before it kills the pod."""
+    for overrides, drain in (({}, 30), ({"engine": {"drainSeconds": 120}}, 120), ({"engine": {"drainSeconds": 0}}, 0)):
+        cr = make_cr(overrides)
+        children = build_children(cr)
+        for role in ("prefill", "decode"):
+            args = engine_args(cr.spec, role)
+            assert args[args.index("--shutdown-timeout") + 1] == str(drain)
+            assert args.index("--shutdown-timeout") < args.index("--kv-transfer-config")  # user args still win
+            assert pod(children, role)["spec"]["terminationGracePeriodSeconds"] == drain + 15
+
+
 def test_side_channel_ports_per_dp_rank_on_container_and_headless_service():
     cr = make_cr({"decode": {"dataParallelSize": 3}, "kvTransfer": {"sideChannelPort": 6000}})
     children = build_children(cr)
