@@ -32,6 +32,8 @@ from .plugin_settings import PluginSettings
 from .rendezvous_client import EngineCache, RendezvousClient
 
 log = logging.getLogger("disagg.plugin")
+EMPTY_HEARTBEAT = b"HB:"
+"""vLLM's heartbeat notification with no request ids: every NIXL worker accepts it and changes nothing."""
 
 
 class PeerPrewarmer:
@@ -180,8 +182,13 @@ class PeerPrewarmer:
         for name in agents.values():
             try:  # set up the transport endpoint now rather than on the first transfer
                 w.nixl_wrapper.make_connection(name)
+                # ...and carry one message over it: an empty vLLM heartbeat, which the peer reads as extending no
+                # lease. Without it the first message of the pair's first request (decode's PUSH_REG, or
+                # prefill's completion) rode a connection never used before, and now and then arrived ~100 ms
+                # late (bench/cold_pair.py).
+                w.nixl_wrapper.send_notif(name, notif_msg=EMPTY_HEARTBEAT)
             except Exception as e:
-                log.info("disagg plugin: make_connection(%s) failed: %s (connects on first use)", name, e)
+                log.info("disagg plugin: connecting to %s ahead of time failed: %s (connects on first use)", name, e)
         return agents
 
     # -- releasing departed peers: the engine's main thread ------------------------------------------------

@@ -37,18 +37,15 @@ class PluginSettings:
     env: Mapping[str, str]
     transport: str | None = None
     max_model_len: int = 0
-    vocab_size: int = 0
 
-    def warmup_prompt(self) -> list[int]:
-        """Token ids of the self warm-up prompt (`plugin_advertiser.warm_up`): two and a half KV blocks unless
-        `$DISAGG_WARMUP_TOKENS` says otherwise, within the model's context and vocabulary. Several blocks, because
-        a P/D engine's first real forward runs on a multi-block context; a handful of tokens leaves those paths
-        cold (bench/cold_pair.py, arm plugin-short-warmup)."""
+    def warmup_tokens(self) -> int:
+        """Prompt length of the self warm-up (`plugin_advertiser.warm_up`): two and a half KV blocks unless
+        `$DISAGG_WARMUP_TOKENS` says otherwise, within the model's context. Several blocks, because a P/D engine's
+        first real forward runs on a multi-block context."""
         want = int(self.env.get("DISAGG_WARMUP_TOKENS") or (2 * self.block_size + self.block_size // 2))
         if self.max_model_len:
             want = min(want, self.max_model_len - 8)
-        vocab = max(self.vocab_size, 2)
-        return [1 + (i * 7919) % (vocab - 1) for i in range(max(want, 1))]
+        return max(want, 1)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, env: Mapping[str, str] = os.environ) -> PluginSettings:
@@ -71,21 +68,13 @@ class PluginSettings:
             http_port=int(env.get("DISAGG_HTTP_PORT") or 8000),
             rendezvous_url=env.get(URL_ENV) or None, token=env.get(TOKEN_ENV) or None,
             token_file=env.get(TOKEN_FILE_ENV) or None, heartbeat_seconds=heartbeat_from_env(env), env=env,
-            max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
-            vocab_size=_vocab_size(vllm_config.model_config))
+            max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0))
 
     def compatible_peer(self, adv: Any) -> bool:
         """A peer this engine may be paired with: the other role, same deployment, layout and transfer mode."""
         return (adv.engine_id != self.engine_id and self.role is not None and adv.role != self.role
                 and adv.deployment == self.deployment and adv.layout_key == self.layout_key
                 and adv.kv_mode == self.kv_mode)
-
-
-def _vocab_size(model_config: Any) -> int:
-    try:
-        return int(model_config.get_vocab_size())
-    except Exception:  # a config without a loadable text config: keep to ids every vocabulary has
-        return 1000
 
 
 __all__ = ["HEARTBEAT_ENV", "KV_METADATA_FORMAT", "PluginSettings"]

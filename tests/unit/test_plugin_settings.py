@@ -43,17 +43,13 @@ def test_local_settings_derive_role_mode_and_a_layout_key():
     assert len({push.layout_key, pull.layout_key, other_block.layout_key}) == 3
 
 
-def test_warmup_prompt_spans_several_blocks_within_context_and_vocabulary():
+def test_warmup_spans_several_blocks_within_the_context():
     cfg = vllm_config(block=128)
-    cfg.model_config = SimpleNamespace(model="m", dtype="bfloat16", max_model_len=8192, get_vocab_size=lambda: 512)
-    prompt = PluginSettings.from_vllm(cfg, {}).warmup_prompt()
-    assert len(prompt) == 320 and 2 * 128 < len(prompt)  # past two full KV blocks
-    assert all(0 < t < 512 for t in prompt) and len(set(prompt)) > 100
+    cfg.model_config = SimpleNamespace(model="m", dtype="bfloat16", max_model_len=8192)
+    assert PluginSettings.from_vllm(cfg, {}).warmup_tokens() == 320  # past two full KV blocks
     cfg.model_config.max_model_len = 100  # a short-context model: stay inside it
-    assert len(PluginSettings.from_vllm(cfg, {}).warmup_prompt()) == 92
-    assert len(PluginSettings.from_vllm(cfg, {"DISAGG_WARMUP_TOKENS": "3"}).warmup_prompt()) == 3
-    # A model config without a vocabulary (plain data here) keeps to ids below 1000.
-    assert max(PluginSettings.from_vllm(vllm_config(), {}).warmup_prompt()) < 1000
+    assert PluginSettings.from_vllm(cfg, {}).warmup_tokens() == 92
+    assert PluginSettings.from_vllm(cfg, {"DISAGG_WARMUP_TOKENS": "3"}).warmup_tokens() == 3
 
 
 def test_kv_metadata_round_trips_and_rejects_anything_else():
