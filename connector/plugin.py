@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -61,9 +60,8 @@ class _PayloadWithTransport(NixlHandshakePayload):
 class _DisaggMixin:
     """The plugin's additions, shared by the push and pull connectors. Requires a NixlBaseConnector."""
 
-    def _disagg_init(self, vllm_config: Any, role: KVConnectorRole, nixl_threads: set[int]) -> None:
+    def _disagg_init(self, vllm_config: Any, role: KVConnectorRole) -> None:
         self._disagg = PluginSettings.from_vllm(vllm_config)
-        self._nixl_threads = nixl_threads
         self._advertiser: EngineAdvertiser | None = None
         self._prewarmer: PeerPrewarmer | None = None
         self._is_worker = role == KVConnectorRole.WORKER
@@ -73,7 +71,6 @@ class _DisaggMixin:
     # -- worker side --------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)  # type: ignore[misc]
-        _yield_progress_thread(self._nixl_threads)  # spinning by now, so the busiest is the progress thread
         worker = self.connector_worker  # type: ignore[attr-defined]
         self._disagg.transport = "+".join(worker.nixl_wrapper.backends) or None
         if self._disagg.rendezvous_url is not None and self._prewarmer is None:
@@ -135,11 +132,8 @@ class _KeepCpuAffinity:
     hundred tokens stalled 10-40 s and push requests timed out. Restoring the engine's binding keeps each
     engine on its own cores. A no-op wherever vLLM leaves the affinity alone (GPU and Neuron devices)."""
 
-    def __enter__(self) -> _KeepCpuAffinity:
+    def __enter__(self) -> None:
         self.before = os.sched_getaffinity(0)
-        self.threads = _thread_ids()
-        self.nixl_threads: set[int] = set()
-        return self
 
     def __exit__(self, *exc: object) -> None:
         after = os.sched_getaffinity(0)
@@ -147,60 +141,24 @@ class _KeepCpuAffinity:
             os.sched_setaffinity(0, self.before)
             log.info("disagg plugin: vLLM's NIXL worker moved the model thread to CPUs %s; restored the engine's "
                      "own binding %s", sorted(after), sorted(self.before))
-            self.nixl_threads = _thread_ids() - self.threads  # a CPU device: see _yield_progress_thread
-
-
-def _yield_progress_thread(candidates: set[int]) -> None:
-    """NIXL's Python agent starts its progress thread with no delay between polls, so on a CPU device it spins a
-    whole core: the one the engine computes and serves on. Nice that one thread (the busiest of those the agent
-    started; the others, e.g. UCX's event thread, keep their priority) so the engine's own threads win the core
-    whenever they are runnable; it still gets the core whenever they are not. Measured on 2 cores
-    (bench/cold_pair.py, arm plugin-spinning): warm TTFT p50 -18%, prefill leg -36%."""
-    busiest, ticks = None, 0
-    for tid in candidates:
-        try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            used = int(fields[11]) + int(fields[12])  # utime + stime
-        except (OSError, IndexError, ValueError):
-            continue
-        if used > ticks:
-            busiest, ticks = tid, used
-    if busiest is None or PROGRESS_THREAD_NICE == 0:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, busiest, PROGRESS_THREAD_NICE)
-        log.info("disagg plugin: NIXL's progress thread (%d, busy-polling) runs at nice %d on this CPU device",
-                 busiest, PROGRESS_THREAD_NICE)
-    except OSError as e:
-        log.info("disagg plugin: could not nice NIXL's progress thread: %s", e)
-
-
-PROGRESS_THREAD_NICE = int(os.environ.get("DISAGG_NIXL_THREAD_NICE", "10"))
-
-
-def _thread_ids() -> set[int]:
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
 
 
 class NixlPushConnector(_DisaggMixin, nixl.NixlPushConnector):
     """vLLM's push (WRITE) NIXL connector with the disagg plugin."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
-        with _KeepCpuAffinity() as keep:
+        with _KeepCpuAffinity():
             super().__init__(vllm_config, role, kv_cache_config)
-        self._disagg_init(vllm_config, role, keep.nixl_threads)
+        self._disagg_init(vllm_config, role)
 
 
 class NixlPullConnector(_DisaggMixin, nixl.NixlPullConnector):
     """vLLM's pull (READ) NIXL connector with the disagg plugin."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
-        with _KeepCpuAffinity() as keep:
+        with _KeepCpuAffinity():
             super().__init__(vllm_config, role, kv_cache_config)
-        self._disagg_init(vllm_config, role, keep.nixl_threads)
+        self._disagg_init(vllm_config, role)
 
 
 NixlConnector = NixlPullConnector  # vLLM's own alias, kept for the same reason as the names
