@@ -397,10 +397,11 @@ async def test_a_rendezvous_that_accepts_but_does_not_answer_costs_one_short_att
     for the client's whole timeout (here 30 s): it gives up after half a heartbeat and retries with backoff, so
     the engine is registered again about as soon as the server answers."""
     accepted: list[asyncio.StreamWriter] = []
+    released = asyncio.Event()
 
     async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         accepted.append(writer)
-        await asyncio.sleep(30)
+        await released.wait()  # holds the connection, never answers
 
     srv = await asyncio.start_server(mute, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
@@ -411,6 +412,7 @@ async def test_a_rendezvous_that_accepts_but_does_not_answer_costs_one_short_att
     assert await reg.step() is False
     assert 0.4 <= time.monotonic() - started < 2.0 and accepted
     assert reg.last_error == "no answer within 0.5 s" and not reg.registered
+    released.set()
     srv.close()
     await srv.wait_closed()
     reg.start()  # retries while the port is closed, then the real server comes up on it
