@@ -228,7 +228,6 @@ class EngineRegistration:
 
     def __init__(self, client: RendezvousClient | None, advertisement: Advertiser, *,
                  heartbeat_seconds: float = DEFAULT_HEARTBEAT, min_backoff: float = 0.1,
-                 attempt_timeout: float | None = None,
                  client_factory: Callable[[], RendezvousClient] | None = None) -> None:
         if client is None and client_factory is None:
             raise ValueError("give a client or a client_factory")
@@ -238,7 +237,7 @@ class EngineRegistration:
         # One attempt may not outlast half a heartbeat: a rendezvous that accepts connections but does not answer
         # yet (restarting, overloaded) would otherwise hold the renewal for the client's whole timeout, and with
         # it the re-registration, while the lease runs out. The retry comes with backoff instead.
-        self.attempt_timeout = attempt_timeout if attempt_timeout is not None else max(0.5, heartbeat_seconds / 2)
+        self.attempt_timeout = max(0.5, heartbeat_seconds / 2)
         self.min_backoff = min(min_backoff, heartbeat_seconds)
         self.registered = False
         self.last_error: str | None = None
