@@ -62,11 +62,15 @@ class Process:
     argv: list[str]
     log: Path
     popen: subprocess.Popen | None = None
+    env: dict[str, str] | None = None  # None: this process's environment
+    cwd: str | None = None
 
-    def start(self) -> None:
+    def start(self) -> Process:
         with self.log.open("ab") as out:
             self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, preexec_fn=die_with_parent)
+                                          env=self.env, cwd=self.cwd, start_new_session=True,
+                                          preexec_fn=die_with_parent)
+        return self
 
     def exited(self) -> int | None:
         return None if self.popen is None else self.popen.poll()

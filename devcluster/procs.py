@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Collection
 
-from .cluster import Process, die_with_parent, free_port
+from .cluster import Process, free_port
 
 
 def disagg_exe() -> str:
@@ -30,18 +29,11 @@ class ChildFailed(RuntimeError):
 
 @dataclass
 class HttpChild(Process):
-    """`stop(grace)` (process group: SIGTERM, then SIGKILL) and `exited()` come from the control plane's Process."""
+    """`start()`, `stop(grace)` (process group: SIGTERM, then SIGKILL) and `exited()` come from the control plane's
+    Process."""
 
-    env: dict[str, str] | None = None
     # / keeps a checkout off sys.path (its operator/ folder must never meet the stdlib's).
-    cwd: str = "/"
-
-    def start(self) -> "HttpChild":
-        with self.log.open("ab") as out:
-            self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=self.env, cwd=self.cwd, start_new_session=True,
-                                          preexec_fn=die_with_parent)
-        return self
+    cwd: str | None = "/"
 
     def check(self) -> None:
         if self.popen is None or self.popen.poll() is not None:
