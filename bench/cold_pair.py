@@ -69,15 +69,14 @@ from pd_client import (ALPHABET, Result, advertisement, completion_body, cpu_sam
 
 from disagg.devcluster import tinymodel, vllm_env  # noqa: E402
 from disagg.devcluster.build import cache_dir  # noqa: E402
-from disagg.devcluster.engines import EngineSpec, LocalEngine  # noqa: E402
-from disagg.devcluster.procs import DisaggService, disagg_exe  # noqa: E402
+from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, install_plugin  # noqa: E402
+from disagg.devcluster.procs import DisaggService  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
-TOKEN = "cold-pair-bench-token"
-DEPLOYMENT = "bench"
 HEARTBEAT = 2
+RENDEZVOUS = LocalRendezvous(token="cold-pair-bench-token", deployment="bench", heartbeat=HEARTBEAT)
 ARMS = {
     "plugin": "engines load the disagg plugin and advertise to a local rendezvous; prefill pre-loads each new "
               "decode's NIXL agent (and decode prefill's) from the advertisements before the cold request",
@@ -326,8 +325,7 @@ async def run_arm(arm: str, cfg: Config, python: Path, model: Path, logs: Path, 
     if arm != "no-plugin":
         opts["plugin_dir"] = plugin_dir
     if arm in PREWARMING:
-        opts["extra_env"] = {"DISAGG_RENDEZVOUS_URL": rendezvous_url, "DISAGG_RENDEZVOUS_TOKEN": TOKEN,
-                             "DISAGG_HEARTBEAT_SECONDS": str(HEARTBEAT), "DISAGG_DEPLOYMENT": DEPLOYMENT}
+        opts["extra_env"] = RENDEZVOUS.engine_env(rendezvous_url)
         if arm == "plugin-short-warmup":
             opts["extra_env"]["DISAGG_WARMUP_TOKENS"] = "3"
     prefill = LocalEngine(EngineSpec(f"{arm}-prefill", "prefill", model, core=0, mode="push", **opts), python, logs)
@@ -490,7 +488,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     plugin_dir, source = None, plugin_source()  # what install-plugin copies now, not what the tree holds later
     if any(a != "no-plugin" for a in arms):
         plugin_dir = logs / "plugin"
-        subprocess.run([disagg_exe(), "install-plugin", str(plugin_dir)], check=True, capture_output=True)
+        install_plugin(plugin_dir)
     load0 = Path("/proc/loadavg").read_text().split()[:3]
     started = time.monotonic()
     cfg.deadline = started + args.budget_s
@@ -499,9 +497,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     try:
         rendezvous_url = None
         if set(arms) & set(PREWARMING):
-            rendezvous = DisaggService("rendezvous", ["rendezvous", "--auth", "token", "--token", TOKEN,
-                                                      "--heartbeat-seconds", str(HEARTBEAT), "--deployment",
-                                                      DEPLOYMENT], logs).start()
+            rendezvous = DisaggService("rendezvous", RENDEZVOUS.args(), logs).start()
             rendezvous_url = rendezvous.url
             rendezvous.wait_http(rendezvous_url + "/health", timeout=30)
         for arm in arms:

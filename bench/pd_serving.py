@@ -66,8 +66,8 @@ from disagg.connector.advertisement import EngineAdvertisement
 from disagg.devcluster import tinymodel, vllm_env
 from disagg.devcluster.build import cache_dir
 from disagg.devcluster.cluster import free_port
-from disagg.devcluster.engines import EngineSpec, LocalEngine
-from disagg.devcluster.procs import DisaggService, HttpChild, disagg_exe
+from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, install_plugin
+from disagg.devcluster.procs import DisaggService, HttpChild
 
 from pd_client import (ALPHABET, LAYOUT, Result, Sender, advertisement, cpu_sample, direct_pull, direct_push, dist,
                        ms, one, quantile, via)
@@ -85,9 +85,8 @@ ARMS = {  # arm -> phase
     "stub-vllm-router-pull": "stub",
 }
 DEFAULT_STUB_CELLS = "256@20,2048@20"
-RENDEZVOUS_TOKEN = "pd-bench-token"
-DEPLOYMENT = "bench"
 HEARTBEAT_S = 5  # the rendezvous' and engines' default
+RENDEZVOUS = LocalRendezvous(token="pd-bench-token", deployment="bench", heartbeat=HEARTBEAT_S)
 PREWARM_TIMEOUT_S = 90
 DEFINITIONS = {
     "direct": "no router: this client sends the prefill and decode legs itself with the router's protocol functions "
@@ -387,17 +386,6 @@ async def run_arms(arms: list[Arm], cfg: Config) -> list[ArmResult]:
 
 
 # -- phases ----------------------------------------------------------------------------------------------------
-def install_plugin(target: Path) -> Path:
-    """The connector plugin as an engine pod gets it: the real `disagg install-plugin` (its init container)."""
-    subprocess.run([disagg_exe(), "install-plugin", str(target)], check=True, stdout=subprocess.DEVNULL)
-    return target
-
-
-def plugin_env(rendezvous_url: str) -> dict[str, str]:
-    return {"DISAGG_RENDEZVOUS_URL": rendezvous_url, "DISAGG_RENDEZVOUS_TOKEN": RENDEZVOUS_TOKEN,
-            "DISAGG_HEARTBEAT_SECONDS": str(HEARTBEAT_S), "DISAGG_DEPLOYMENT": DEPLOYMENT}
-
-
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as r:
         return json.load(r)
@@ -422,9 +410,7 @@ class Phase:
 
     def start_rendezvous(self, name: str) -> str:
         """A `disagg rendezvous` for this phase's engines to advertise to and the routers to watch."""
-        self.rendezvous = DisaggService(name, ["rendezvous", "--auth", "token", "--token", RENDEZVOUS_TOKEN,
-                                               "--heartbeat-seconds", str(HEARTBEAT_S), "--deployment", DEPLOYMENT,
-                                               "--log-level", "WARNING"], self.logs).start()
+        self.rendezvous = DisaggService(name, [*RENDEZVOUS.args(), "--log-level", "WARNING"], self.logs).start()
         self.rendezvous_url = self.rendezvous.url
         self.rendezvous.wait_http(self.rendezvous_url + "/health", timeout=30)
         return self.rendezvous_url
@@ -434,7 +420,7 @@ class Phase:
         if role and self.plugin_dir is not None:
             url = self.rendezvous_url or self.start_rendezvous(f"{name.rsplit('-', 1)[0]}-rendezvous")
             opts.setdefault("plugin_dir", self.plugin_dir)
-            opts["extra_env"] = {**plugin_env(url), **opts.get("extra_env", {})}
+            opts["extra_env"] = {**RENDEZVOUS.engine_env(url), **opts.get("extra_env", {})}
         e = LocalEngine(EngineSpec(name, role, self.model, core=core, mode=mode, **opts), self.python, self.logs)
         self.engines.append(e)
         return e

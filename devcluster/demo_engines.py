@@ -27,14 +27,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from disagg.connector.router import DECODE_HEADER, PREFILL_HEADER
 
 from . import tinymodel, vllm_env
-from .engines import EngineFailed, EngineSpec, LocalEngine
-from .procs import ChildFailed, DisaggService, disagg_exe
+from .engines import EngineFailed, EngineSpec, LocalEngine, LocalRendezvous, install_plugin
+from .procs import ChildFailed, DisaggService
 
 PROMPT = "Disaggregated serving runs the prompt on a prefill engine and streams tokens from a decode engine. "
 MAX_TOKENS = 16
-TOKEN = "demo-token"
-DEPLOYMENT = "demo"
-HEARTBEAT = 2
+RENDEZVOUS = LocalRendezvous(token="demo-token", deployment="demo", heartbeat=2)
 PREWARM_WAIT = 30.0
 
 
@@ -171,8 +169,7 @@ def _note(msg: str) -> None:
 def _serve_one(mode: str, python: Path, model: Path, plugin_dir: Path, rendezvous: DisaggService,
                logs: Path) -> Result:
     _say(f"{mode} mode: prefill engine on core 0, decode engine on core 1, `disagg router --mode {mode}`")
-    env = {"DISAGG_RENDEZVOUS_URL": rendezvous.url, "DISAGG_RENDEZVOUS_TOKEN": TOKEN,
-           "DISAGG_HEARTBEAT_SECONDS": str(HEARTBEAT), "DISAGG_DEPLOYMENT": DEPLOYMENT}
+    env = RENDEZVOUS.engine_env(rendezvous.url)
     prefill = LocalEngine(EngineSpec(f"{mode}-prefill", "prefill", model, core=0, mode=mode, plugin_dir=plugin_dir,
                                      extra_env=env), python, logs)
     decode = LocalEngine(EngineSpec(f"{mode}-decode", "decode", model, core=1, mode=mode, plugin_dir=plugin_dir,
@@ -269,12 +266,10 @@ def run(modes: tuple[str, ...] = ("push", "pull")) -> list[Result]:
     rendezvous: DisaggService | None = None
     t0 = time.monotonic()
     try:
-        subprocess.run([disagg_exe(), "install-plugin", str(plugin_dir)], check=True, stdout=subprocess.DEVNULL)
+        install_plugin(plugin_dir)
         _note(f"`disagg install-plugin {plugin_dir}`: the connector plugin, as an engine pod's init container "
               "installs it")
-        rendezvous = DisaggService("rendezvous", ["rendezvous", "--auth", "token", "--token", TOKEN,
-                                                  "--heartbeat-seconds", str(HEARTBEAT), "--deployment", DEPLOYMENT],
-                                   logs).start()
+        rendezvous = DisaggService("rendezvous", RENDEZVOUS.args(), logs).start()
         rendezvous.wait_http(rendezvous.url + "/health", 30)
         _note(f"`disagg rendezvous --auth token` at {rendezvous.url}: engines advertise here, routers watch")
         results = [_serve_one(mode, python, model, plugin_dir, rendezvous, logs) for mode in modes]

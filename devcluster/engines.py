@@ -16,7 +16,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from disagg.connector.rendezvous_client import HEARTBEAT_ENV, TOKEN_ENV, URL_ENV
+
 from .cluster import die_with_parent, free_port
+from .procs import disagg_exe
 
 PUSH, PULL = "NixlPushConnector", "NixlConnector"
 PLUGIN_MODULE = "disagg.connector.plugin"
@@ -51,6 +54,32 @@ class EngineSpec:
         if self.plugin_dir is not None:
             cfg["kv_connector_module_path"] = PLUGIN_MODULE
         return cfg
+
+
+def install_plugin(target: Path) -> Path:
+    """The connector plugin as an engine pod gets it: the real `disagg install-plugin` (its init container)."""
+    subprocess.run([disagg_exe(), "install-plugin", str(target)], check=True, stdout=subprocess.DEVNULL)
+    return target
+
+
+@dataclass(frozen=True)
+class LocalRendezvous:
+    """How local engines and their rendezvous meet: a shared token instead of the pod identity the operator's
+    rendezvous checks, plus the deployment and heartbeat both sides must agree on."""
+
+    token: str
+    deployment: str
+    heartbeat: int | float
+
+    def args(self) -> list[str]:
+        """`disagg <args>` for the rendezvous (the caller picks host and port)."""
+        return ["rendezvous", "--auth", "token", "--token", self.token, "--heartbeat-seconds", str(self.heartbeat),
+                "--deployment", self.deployment]
+
+    def engine_env(self, url: str) -> dict[str, str]:
+        """What points an engine's plugin at the rendezvous at `url` (the operator sets the same on engine pods)."""
+        return {URL_ENV: url, TOKEN_ENV: self.token, HEARTBEAT_ENV: str(self.heartbeat),
+                "DISAGG_DEPLOYMENT": self.deployment}
 
 
 class EngineFailed(RuntimeError):

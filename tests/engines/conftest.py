@@ -6,20 +6,15 @@ behalf.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from disagg.devcluster import tinymodel, vllm_env
-from disagg.devcluster.engines import EngineSpec, LocalEngine
+from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, install_plugin
 from support.engines import PROMPTS, Service, chat, completion, post, text_of
 
-TOKEN = "engine-tests-token"
-DEPLOYMENT = "tests"
-HEARTBEAT = 2
+RENDEZVOUS = LocalRendezvous(token="engine-tests-token", deployment="tests", heartbeat=2)
 
 
 @pytest.fixture(scope="session")
@@ -57,22 +52,14 @@ def reference(vllm_python, model, engine_logs) -> dict[tuple[str, int], str]:
 
 @pytest.fixture(scope="session")
 def rendezvous(engine_logs):
-    svc = Service("rendezvous", ["rendezvous", "--auth", "token", "--token", TOKEN, "--heartbeat-seconds",
-                                 str(HEARTBEAT), "--deployment", DEPLOYMENT], engine_logs).start()
+    svc = Service("rendezvous", RENDEZVOUS.args(), engine_logs).start()
     yield svc
     svc.stop()
 
 
 @pytest.fixture(scope="session")
 def plugin_dir(tmp_path_factory) -> Path:
-    target = tmp_path_factory.mktemp("plugin")
-    subprocess.run([str(Path(sys.executable).parent / "disagg"), "install-plugin", str(target)], check=True)
-    return target
-
-
-def plugin_env(rendezvous_url: str) -> dict[str, str]:
-    return {"DISAGG_RENDEZVOUS_URL": rendezvous_url, "DISAGG_RENDEZVOUS_TOKEN": TOKEN,
-            "DISAGG_HEARTBEAT_SECONDS": str(HEARTBEAT), "DISAGG_DEPLOYMENT": DEPLOYMENT}
+    return install_plugin(tmp_path_factory.mktemp("plugin"))
 
 
 class Pair:
@@ -80,7 +67,7 @@ class Pair:
 
     def __init__(self, mode: str, python: Path, model: Path, logs: Path, rendezvous: Service, plugin_dir: Path):
         self.mode, self.rendezvous, self.logs = mode, rendezvous, logs
-        env = plugin_env(rendezvous.url)
+        env = RENDEZVOUS.engine_env(rendezvous.url)
         self.prefill = LocalEngine(EngineSpec(f"{mode}-prefill", "prefill", model, core=0, mode=mode,
                                               plugin_dir=plugin_dir, extra_env=env), python, logs)
         self.decode = LocalEngine(EngineSpec(f"{mode}-decode", "decode", model, core=1, mode=mode,
