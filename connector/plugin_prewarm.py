@@ -8,7 +8,8 @@ ahead of time:
 
 - push mode: prefill loads each decode engine's agent with its KV descriptors (what a WRITE needs), and decode
   loads each prefill engine's agent for notifications only (what PUSH_REG needs) — both straight from the
-  handshake payloads the peer advertised, without a side-channel round trip;
+  handshake payloads the peer advertised, without a side-channel round trip; then prefill warms the pair's
+  WRITE path with one empty transfer (`plugin_write_warmup`);
 - pull mode: decode handshakes with each prefill over the side channel in the background (pull needs the
   peer's clock offset, which only that round trip measures);
 - a peer whose entry is deleted or expires is released on the engine's main thread, like vLLM releases peers.
@@ -29,6 +30,7 @@ from typing import Any
 from .advertisement import EngineAdvertisement, WatchEvent
 from .plugin_advertiser import decode_kv_metadata
 from .plugin_settings import PluginSettings
+from .plugin_write_warmup import SkipWarmup, warm_write_path
 from .rendezvous_client import EngineCache, RendezvousClient
 
 log = logging.getLogger("disagg.plugin")
@@ -41,7 +43,7 @@ class PeerPrewarmer:
         self.worker = worker
         self.settings = settings
         self.peers: dict[str, EngineAdvertisement] = {}
-        self.counts = {"from_advertisement": 0, "side_channel": 0, "released": 0, "failed": 0}
+        self.counts = {"from_advertisement": 0, "side_channel": 0, "released": 0, "failed": 0, "write_warmed": 0}
         self._lock = threading.Lock()
         self._departed: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._side_channel_handshake = worker._nixl_handshake
@@ -189,7 +191,23 @@ class PeerPrewarmer:
                 w.nixl_wrapper.send_notif(name, notif_msg=EMPTY_HEARTBEAT)
             except Exception as e:
                 log.info("disagg plugin: connecting to %s ahead of time failed: %s (connects on first use)", name, e)
+        if not notif_agents_only and self.settings.write_warmup:
+            self._warm_write_path(engine_id)
         return agents
+
+    def _warm_write_path(self, engine_id: str) -> None:
+        try:
+            done = warm_write_path(self.worker, engine_id)
+        except SkipWarmup as e:
+            log.info("disagg plugin: not warming the WRITE path to decode engine %s: %s", engine_id, e)
+        except Exception as e:  # the first request sets the transport up instead, as without the plugin
+            self.counts["failed"] += 1
+            log.warning("disagg plugin: warming the WRITE path to decode engine %s failed: %s", engine_id, e)
+        else:
+            self.counts["write_warmed"] += 1
+            log.info("disagg plugin: warmed the WRITE path to decode engine %s in %.1f ms: null block, rank(s) %s, "
+                     "remote descriptors %s, local descriptors %s", engine_id, done.seconds * 1000,
+                     list(done.ranks), list(done.remote_desc_ids), list(done.local_desc_ids))
 
     # -- releasing departed peers: the engine's main thread ------------------------------------------------
     def release_departed(self) -> None:

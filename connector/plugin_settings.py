@@ -37,6 +37,9 @@ class PluginSettings:
     env: Mapping[str, str]
     transport: str | None = None
     max_model_len: int = 0
+    write_warmup: bool = True
+    """Push prefill: WRITE the null block to each newly loaded decode (`plugin_write_warmup`);
+    `$DISAGG_WRITE_WARMUP=0` turns it off (the benchmark's before/after arm)."""
 
     def warmup_tokens(self) -> int:
         """Prompt length of the self warm-up (`plugin_advertiser.warm_up`): two and a half KV blocks unless
@@ -68,7 +71,8 @@ class PluginSettings:
             http_port=int(env.get("DISAGG_HTTP_PORT") or 8000),
             rendezvous_url=env.get(URL_ENV) or None, token=env.get(TOKEN_ENV) or None,
             token_file=env.get(TOKEN_FILE_ENV) or None, heartbeat_seconds=heartbeat_from_env(env), env=env,
-            max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0))
+            max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
+            write_warmup=env.get("DISAGG_WRITE_WARMUP", "1") != "0")
 
     def compatible_peer(self, adv: Any) -> bool:
         """A peer this engine may be paired with: the other role, same deployment, layout and transfer mode."""

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
 import uuid
 
+import msgspec
 import pytest
 
 from disagg.connector import pd_protocol
 from disagg.connector.advertisement import EngineAdvertisement
+from disagg.connector.plugin_advertiser import decode_kv_metadata
 from support.engines import PROMPTS, Load, await_log, log_lines, chat, completion, await_status, metric, post, post_raw, stream_text, text_of
 
 pytestmark = pytest.mark.engines
@@ -35,6 +38,15 @@ def await_advertised(rendezvous_url: str, engine_id: str, timeout: float = 60) -
             pass
         time.sleep(0.2)  # another process's registry: nothing to await but polling
     raise TimeoutError(f"{engine_id} not advertised at {rendezvous_url} within {timeout}s")
+
+
+def null_block_descriptors(adv: EngineAdvertisement) -> list[int]:
+    """NIXL descriptor ids of block 0 (vLLM's null block) in each KV region the engine registered, derived from
+    its advertised handshake payload: region k's descriptors follow those of regions 0..k-1."""
+    payload = msgspec.msgpack.decode(decode_kv_metadata(adv.kv_metadata)[(0, 0)])
+    meta = msgspec.msgpack.decode(payload["agent_metadata_bytes"])
+    per_region = meta["region_num_blocks"] or [meta["num_blocks"]] * len(meta["block_lens"])
+    return [sum(per_region[:k]) for k in range(len(per_region))]
 
 
 def push_by_hand(prefill, decode, body: dict) -> tuple[int, dict | str]:
@@ -89,6 +101,22 @@ class TestPush:
         assert metric(url, "disagg_router_handoff_seconds_count", mode="push") == 1
         for engine in (p, d):
             assert log_lines(engine, LAZY_HANDSHAKE) == [] and log_lines(engine, "NIXL compatibility check") == []
+
+    def test_prefill_warmed_the_write_path_through_null_blocks_only(self, push_pair):
+        """Right after loading a decode, prefill WRITEs its null block into decode's, so the pair's first real
+        WRITE finds the transport set up. The WRITE must touch block 0 of every region on both sides and nothing
+        else: any other descriptor could be a live request's KV."""
+        p, d = push_pair.prefill, push_pair.decode
+        line = await_log(p, f"warmed the WRITE path to decode engine {d.spec.engine_id}")
+        found = re.search(r"remote descriptors \[([\d, ]*)\], local descriptors \[([\d, ]*)\]", line)
+        assert found, line
+        remote, local = ([int(x) for x in g.split(",")] for g in found.groups())
+        ads = advertised(push_pair.rendezvous.url)
+        assert remote == null_block_descriptors(ads[d.spec.engine_id])
+        assert local == null_block_descriptors(ads[p.spec.engine_id])
+        assert len(remote) > 1 and remote[0] == 0, "one descriptor per KV region"
+        # Decode never warms a WRITE path: it only receives.
+        assert log_lines(d, "warmed the WRITE path") == []
 
     def test_engines_advertise_identity_transport_and_handshake_metadata(self, push_pair):
         ads = advertised(push_pair.rendezvous.url)
@@ -147,6 +175,7 @@ class TestPush:
         d.wait_ready()
         assert d.spec.engine_id != old_id
         await_log(p, f"loaded decode engine {d.spec.engine_id}'s NIXL agent from its advertisement")
+        await_log(p, f"warmed the WRITE path to decode engine {d.spec.engine_id}")
         await_status(push_pair.router.url + "/health")
         t0 = time.monotonic()
         status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[1]), timeout=60)

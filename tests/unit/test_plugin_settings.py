@@ -38,6 +38,7 @@ def test_local_settings_derive_role_mode_and_a_layout_key():
     pull = PluginSettings.from_vllm(vllm_config("NixlConnector", "kv_producer"), {})
     assert (push.role, push.kv_mode, pull.kv_mode) == ("prefill", "push", "pull")
     assert push.rendezvous_url is None and push.deployment == "local"
+    assert push.write_warmup and not PluginSettings.from_vllm(vllm_config(), {"DISAGG_WRITE_WARMUP": "0"}).write_warmup
     # Engines that must not be paired (push vs pull, another block size) get different keys.
     other_block = PluginSettings.from_vllm(vllm_config(kv_role="kv_producer", block=16), {})
     assert len({push.layout_key, pull.layout_key, other_block.layout_key}) == 3
