@@ -28,6 +28,10 @@ functions, `connector/pd_protocol.py`):
                 (not run by default) the plugin arm with its self warm-up cut to a 3-token prompt
                 (DISAGG_WARMUP_TOKENS=3), the warm-up the plugin shipped before it used a multi-block prompt:
                 before/after for that change.
+  plugin-no-write-warmup
+                (not run by default) the plugin arm with prefill's WRITE-path warm-up off
+                (DISAGG_WRITE_WARMUP=0): before/after for the null-block WRITE to each new decode
+                (`connector/plugin_write_warmup.py`).
   plugin-settled
                 (not run by default) the plugin arm with the cold request sent 1 s after the pre-loading was
                 logged instead of at once: whether any cost is still in flight after the load.
@@ -87,11 +91,13 @@ ARMS = {
                             "cold request: the pair's first transfer, but not the decode engine's first request",
     "plugin-short-warmup": "the plugin arm with the engines' self warm-up cut to a 3-token prompt (the plugin's "
                            "warm-up before 2026-11-30): separates what a multi-block warm-up prompt buys",
+    "plugin-no-write-warmup": "the plugin arm with prefill's WRITE-path warm-up off (DISAGG_WRITE_WARMUP=0): "
+                              "before/after for the null-block WRITE that sets up a new pair's transport",
     "plugin-settled": "the plugin arm, with the cold request sent 1 s after both engines logged the pre-loading "
                       "instead of at once: separates costs still in flight after the load (transport set-up) from "
                       "costs of the first request itself",
 }
-PREWARMING = ("plugin", "plugin-decode-warmed", "plugin-settled", "plugin-short-warmup")  # arms with a rendezvous, which wait for the peers' pre-loading
+PREWARMING = ("plugin", "plugin-decode-warmed", "plugin-settled", "plugin-short-warmup", "plugin-no-write-warmup")  # arms with a rendezvous, which wait for the peers' pre-loading
 PREFILL_LOADED = "loaded decode engine {id}'s NIXL agent from its advertisement"
 DECODE_LOADED = "loaded prefill engine {id}'s NIXL agent from its advertisement"
 LAZY = "side-channel handshake with engine {id}"  # the plugin's fallback to vLLM's lazy handshake
@@ -328,6 +334,8 @@ async def run_arm(arm: str, cfg: Config, python: Path, model: Path, logs: Path, 
         opts["extra_env"] = RENDEZVOUS.engine_env(rendezvous_url)
         if arm == "plugin-short-warmup":
             opts["extra_env"]["DISAGG_WARMUP_TOKENS"] = "3"
+        if arm == "plugin-no-write-warmup":
+            opts["extra_env"]["DISAGG_WRITE_WARMUP"] = "0"
     prefill = LocalEngine(EngineSpec(f"{arm}-prefill", "prefill", model, core=0, mode="push", **opts), python, logs)
     out: dict = {"arm": arm, "description": ARMS[arm]}
     pairs: list[Pair] = []
