@@ -2,7 +2,7 @@
 
 The plain layout (equal TP and block sizes) is exercised on real engines in tests/engines. A pair with other TP
 or block sizes, or a hybrid SSM model, cannot be started on this 2-core CPU machine, so those refusals use a
-named fake: `FakeWorker` has the attributes of vLLM's NIXL worker that the warm-up reads, and a NIXL wrapper
+named fake: `fake_worker()` has the attributes of vLLM's NIXL worker that the warm-up reads, and a NIXL wrapper
 that records any transfer, so the test can prove that nothing was written.
 """
 from __future__ import annotations
