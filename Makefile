@@ -1,11 +1,12 @@
+# The Python environment is per checkout (.venv): an editable install shared between clones would silently
+# point every clone at whichever one installed last. pip's own cache keeps a fresh clone's install short.
 # Caches live outside the clone so repeated runs (and CI's fresh clones) reuse them:
-#   $(DISAGG_CACHE)/venv   the Python environment
 #   $(DISAGG_CACHE)/bin    control-plane binaries built from Go modules
 #   $(DISAGG_CACHE)/vllm-venv  real vLLM (CPU) for the demo and engine tests, apart from the operator's environment
 #   Go's own module and build caches (go env GOMODCACHE GOCACHE)
 DISAGG_CACHE ?= $(HOME)/.cache/disagg
 export DISAGG_CACHE
-VENV := $(DISAGG_CACHE)/venv
+VENV := $(CURDIR)/.venv
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-engines test-fast venv binaries vllm
@@ -25,7 +26,7 @@ test-engines: venv binaries vllm
 test-fast: venv binaries
 	$(BIN)/pytest -m "not engines"
 
-# The editable install is redone every time because the venv is shared between clones.
+# The editable install is redone every time: cheap when nothing changed, and it picks up new dependencies.
 venv:
 	@test -x $(BIN)/python || python3 -m venv $(VENV)
 	@$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'

@@ -43,7 +43,7 @@ a cold request that times out is a data point: the ratios count it at the timeou
 also given over successful cold requests alone.
 
 Run (engines need the machine-wide lock):
-  flock /tmp/disagg-engines.lock ~/.cache/disagg/venv/bin/python bench/cold_pair.py
+  flock /tmp/disagg-engines.lock .venv/bin/python bench/cold_pair.py
 Writes bench/results/cold_pair.json (also printed). `--quick` (1 pair per arm, 2 warm requests) checks the
 harness.
 """

@@ -36,7 +36,7 @@ Each arm's prompts start with an 8-character arm tag, so vLLM's prefix cache nev
 another's blocks; the remaining characters and the arrival times are identical across arms.
 
 Run (engines need the machine-wide lock):
-  flock /tmp/disagg-engines.lock ~/.cache/disagg/venv/bin/python bench/pd_serving.py
+  flock /tmp/disagg-engines.lock .venv/bin/python bench/pd_serving.py
 Writes bench/results/pd_serving.json (also printed) and bench/results/pd_serving.png. `--quick` is a tiny
 configuration to check the harness; `--no-plugin` the before-the-plugin configuration.
 """

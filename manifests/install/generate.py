@@ -1,7 +1,7 @@
 """Generate the kustomize base in manifests/install/ from the Helm chart, so the two install paths cannot drift.
 
-    ~/.cache/disagg/venv/bin/python manifests/install/generate.py          # rewrite the YAML files here
-    ~/.cache/disagg/venv/bin/python manifests/install/generate.py --check  # exit 1 when any is stale
+    .venv/bin/python manifests/install/generate.py          # rewrite the YAML files here
+    .venv/bin/python manifests/install/generate.py --check  # exit 1 when any is stale
 
 The chart is rendered with its default values (`helm template --skip-crds`, release `disagg-operator` in
 namespace `disagg-system`); Helm's own labels are dropped, and the objects are split into one file per kind.
@@ -31,7 +31,7 @@ FILES = {"Namespace": "namespace.yaml", "ServiceAccount": "serviceaccount.yaml",
          "ClusterRoleBinding": "rbac.yaml", "Service": "service.yaml", "PodDisruptionBudget": "pdb.yaml",
          "Deployment": "deployment.yaml"}
 HELM_ONLY_LINES = ("helm.sh/chart:", "app.kubernetes.io/managed-by: Helm", "# Source: ")
-REGENERATE = "run `~/.cache/disagg/venv/bin/python manifests/install/generate.py` from the repository root"
+REGENERATE = "run `.venv/bin/python manifests/install/generate.py` from the repository root"
 
 
 def helm_binary() -> str:
