@@ -9,7 +9,7 @@ with plain (non-disaggregated) requests, so its own first-request costs land on 
 
 Arms (one prefill engine each, on core 0; decode on core 1; both legs sent at once in push mode, as
 `disagg router --mode push --dispatch concurrent` sends them, but by this client with the router's protocol
-functions, `connector/pd_protocol.py`):
+functions, `connector/router/pd_protocol.py`):
 
   plugin        engines load the plugin (`disagg install-plugin`) and advertise to a local
                 `disagg rendezvous --auth token`; before the cold request the benchmark waits until prefill has
@@ -31,7 +31,7 @@ functions, `connector/pd_protocol.py`):
   plugin-no-write-warmup
                 (not run by default) the plugin arm with prefill's WRITE-path warm-up off
                 (DISAGG_WRITE_WARMUP=0): before/after for the null-block WRITE to each new decode
-                (`connector/plugin_write_warmup.py`).
+                (`connector/plugin/write_warmup.py`).
   plugin-settled
                 (not run by default) the plugin arm with the cold request sent 1 s after the pre-loading was
                 logged instead of at once: whether any cost is still in flight after the load.

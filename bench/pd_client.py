@@ -1,5 +1,5 @@
 """The measuring P/D client shared by the benchmarks: one streamed completion through a router or a plain
-engine, or both legs sent by this client itself with the router's protocol functions (connector/pd_protocol.py),
+engine, or both legs sent by this client itself with the router's protocol functions (connector/router/pd_protocol.py),
 timed from send to first token; and the statistics and CPU accounting of those timings."""
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Awaitable, Callable
 
 import aiohttp
 
-from disagg.connector import pd_protocol as pd
-from disagg.connector.advertisement import EngineAdvertisement
+from disagg.connector.router import pd_protocol as pd
+from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.devcluster.engines import LocalEngine
 
 LAYOUT = "tiny-bf16-128"

@@ -20,7 +20,7 @@ finds the pair through that rendezvous, as in production. `--no-plugin` runs vLL
 static engines file for the router instead (the configuration of results before the plugin existed).
 
 "Direct" is the measure of router overhead: same engines, same legs and kv_transfer_params built by the same
-functions (connector/pd_protocol.py), only the proxy hop is missing. A plain engine would measure the cost of
+functions (connector/router/pd_protocol.py), only the proxy hop is missing. A plain engine would measure the cost of
 disaggregation instead, which is a different question; it is reported as its own arm. On real CPU engines the
 router's milliseconds drown in the engines' stalls, so the stub phase measures them in isolation.
 
@@ -62,7 +62,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.connector.advertisement import EngineAdvertisement
+from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.devcluster import tinymodel, vllm_env
 from disagg.devcluster.build import cache_dir
 from disagg.devcluster.cluster import free_port
@@ -90,7 +90,7 @@ RENDEZVOUS = LocalRendezvous(token="pd-bench-token", deployment="bench", heartbe
 PREWARM_TIMEOUT_S = 90
 DEFINITIONS = {
     "direct": "no router: this client sends the prefill and decode legs itself with the router's protocol functions "
-              "(connector/pd_protocol.py); router overhead = router arm minus direct arm on the same engines",
+              "(connector/router/pd_protocol.py); router overhead = router arm minus direct arm on the same engines",
     "stub": "the same paths against bench/stub_engine.py, which answers at once: the router's own cost without "
             "engine noise",
     "handoff": "prefill finished to decode's first token. Direct arms: per request, client-side (prefill response "

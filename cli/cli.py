@@ -44,7 +44,7 @@ def _operator(args: argparse.Namespace) -> None:
 
 
 def _rendezvous(args: argparse.Namespace) -> None:
-    from disagg.connector import rendezvous
+    from disagg.connector.rendezvous import server as rendezvous
 
     rendezvous.main(args)
 
@@ -56,7 +56,7 @@ def _install_plugin(args: argparse.Namespace) -> None:
 
 
 def _rendezvous_arguments(p: argparse.ArgumentParser) -> None:
-    # Defined here, not in connector/rendezvous.py, so building the parser never imports aiohttp.
+    # Defined here, not in connector/rendezvous/server.py, so building the parser never imports aiohttp.
     p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
     p.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
     p.add_argument("--heartbeat-seconds", type=float, default=5.0,
@@ -77,7 +77,7 @@ def _rendezvous_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _router(args: argparse.Namespace) -> None:
-    from disagg.connector import router
+    from disagg.connector.router import app as router
 
     router.main(args)
 
@@ -111,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
     _rendezvous_arguments(z)
     z.set_defaults(func=_rendezvous)
 
-    from disagg.connector import router_args
+    from disagg.connector.router import flags as router_args
 
     g = sub.add_parser("router", help="the OpenAI-compatible push/pull-aware router in front of the engines")
     router_args.add_arguments(g)

@@ -1,11 +1,12 @@
-"""`disagg install-plugin DIR`: put the `disagg.connector` package where an engine's Python finds it.
+"""`disagg install-plugin DIR`: put what an engine needs of `disagg.connector` where the engine's Python finds it.
 
 Engine pods run the vLLM image, which has no disagg installed. The operator gives each engine pod an init
 container running this command from the operator image into an emptyDir mounted at DIR, and the engine
 container `PYTHONPATH=DIR`; vLLM then imports `disagg.connector.plugin` (`kv_connector_module_path`) from
 DIR/disagg/connector/. What the copy relies on:
 - the source is this installed package, found from this module's own location (the wheel in the operator
-  image, or a checkout in development): every `*.py` file of it, nothing else (no bytecode);
+  image, or a checkout in development): the `*.py` files of the parts an engine imports (`ENGINE_PARTS`: the
+  plugin, the wire contract and the rendezvous client), nothing else (no bytecode, no router or server);
 - `disagg` stays a namespace package: DIR/disagg/ gets no `__init__.py`, so a `disagg` installed elsewhere in
   the engine's environment could still contribute its other portions;
 - everything `disagg.connector` imports at run time outside the standard library (pydantic, aiohttp) is in
@@ -38,10 +39,20 @@ class InstallError(Exception):
     """The plugin could not be installed; the message says where and why."""
 
 
+ENGINE_PARTS = ("__init__.py", "plugin/", "wire/", "rendezvous/__init__.py", "rendezvous/client.py")
+"""What an engine imports of the package, relative to it: a file, or a folder with every module below it. The
+plugin's import contract (pyproject.toml) keeps it to these."""
+
+
+def _engine_part(rel: Path) -> bool:
+    path = rel.as_posix()
+    return any(path.startswith(part) if part.endswith("/") else path == part for part in ENGINE_PARTS)
+
+
 def package_files(source: Path = SOURCE) -> list[Path]:
-    """The package's Python files, relative to `source`, sorted (subpackages included, bytecode excluded)."""
-    return sorted(p.relative_to(source) for p in source.rglob("*.py")
-                  if "__pycache__" not in p.relative_to(source).parts)
+    """The Python files engines need (`ENGINE_PARTS`), relative to `source`, sorted (bytecode excluded)."""
+    return sorted(rel for rel in (p.relative_to(source) for p in source.rglob("*.py"))
+                  if "__pycache__" not in rel.parts and _engine_part(rel))
 
 
 def _same_tree(dest: Path, source: Path, files: list[Path]) -> bool:

@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.connector.router import DECODE_HEADER, PREFILL_HEADER
+from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER
 
 from . import tinymodel, vllm_env
 from .engines import EngineFailed, EngineSpec, LocalEngine, LocalRendezvous, install_plugin

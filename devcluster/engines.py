@@ -16,13 +16,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from disagg.connector.rendezvous_client import HEARTBEAT_ENV, TOKEN_ENV, URL_ENV
+from disagg.connector.wire import env as wire_env
+from disagg.connector.wire.kv_transfer import kv_transfer_config
 
 from .cluster import die_with_parent, free_port
 from .procs import disagg_exe
 
 PUSH, PULL = "NixlPushConnector", "NixlConnector"
-PLUGIN_MODULE = "disagg.connector.plugin"
 SUPERVISOR = str(Path(__file__).resolve().parent / "supervise.py")
 
 
@@ -47,13 +47,9 @@ class EngineSpec:
     def kv_transfer_config(self) -> dict | None:
         if self.role is None:
             return None
-        cfg = {"kv_connector": PUSH if self.mode == "push" else PULL,
-               "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
-               "kv_buffer_device": "cpu", "engine_id": self.engine_id,
-               "kv_connector_extra_config": {"backends": ["UCX"]}}
-        if self.plugin_dir is not None:
-            cfg["kv_connector_module_path"] = PLUGIN_MODULE
-        return cfg
+        return kv_transfer_config(connector=PUSH if self.mode == "push" else PULL, role=self.role,
+                                  engine_id=self.engine_id, backend="UCX", use_plugin=self.plugin_dir is not None,
+                                  buffer_device="cpu")
 
 
 def install_plugin(target: Path) -> Path:
@@ -78,8 +74,8 @@ class LocalRendezvous:
 
     def engine_env(self, url: str) -> dict[str, str]:
         """What points an engine's plugin at the rendezvous at `url` (the operator sets the same on engine pods)."""
-        return {URL_ENV: url, TOKEN_ENV: self.token, HEARTBEAT_ENV: str(self.heartbeat),
-                "DISAGG_DEPLOYMENT": self.deployment}
+        return {wire_env.RENDEZVOUS_URL: url, wire_env.RENDEZVOUS_TOKEN: self.token,
+                wire_env.HEARTBEAT_SECONDS: str(self.heartbeat), wire_env.DEPLOYMENT: self.deployment}
 
 
 class EngineFailed(RuntimeError):
@@ -115,14 +111,14 @@ class LocalEngine:
             **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
             "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": str(s.core),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(s.side_channel_port),
+            wire_env.SIDE_CHANNEL_HOST: "127.0.0.1",
+            wire_env.SIDE_CHANNEL_PORT: str(s.side_channel_port),
             "UCX_TLS": "tcp,self,sm",
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
-            **({"PYTHONPATH": str(s.plugin_dir), "DISAGG_ENGINE_ID": s.engine_id, "DISAGG_HTTP_PORT": str(s.port),
-                "DISAGG_ROLE": s.role or "", "DISAGG_KV_MODE": s.mode} if s.plugin_dir is not None else {}),
+            **({"PYTHONPATH": str(s.plugin_dir), wire_env.ENGINE_ID: s.engine_id, wire_env.HTTP_PORT: str(s.port),
+                wire_env.ROLE: s.role or "", wire_env.KV_MODE: s.mode} if s.plugin_dir is not None else {}),
             **s.extra_env,
         }
         with self.log.open("ab") as out:

@@ -6,7 +6,10 @@ import json
 import posixpath
 from typing import Any
 
-from disagg.connector.launch import ENGINE_ID_PLACEHOLDER, render_launch_script
+from disagg.connector.wire import env as wire_env
+from disagg.connector.wire.kv_transfer import KV_ROLES, kv_transfer_config as render_kv_transfer_config
+
+from .launch_script import ENGINE_ID_PLACEHOLDER, render_launch_script
 
 from . import names
 from .api import DisaggregatedInference, DisaggregatedInferenceSpec, RoleSpec, ranks_per_pod
@@ -14,8 +17,6 @@ from .merge import deep_merge
 from .meta import OperatorImages, cr_name, http_probe, namespace_of, object_meta
 from .profiles import EFA
 
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-PLUGIN_MODULE = "disagg.connector.plugin"
 ENGINE_CONTAINER = "engine"
 PLUGIN_CONTAINER = "install-plugin"
 PLUGIN_VOLUME = "disagg-plugin"
@@ -68,15 +69,14 @@ def model_path(spec: DisaggregatedInferenceSpec) -> str:
 
 
 def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str, Any]:
-    # Bidirectional (pull only) needs both directions on both engines: vLLM's kv_both.
-    kv_role = "kv_both" if spec.kv_transfer.bidirectional else KV_ROLES[role]
-    config: dict[str, Any] = {"kv_connector": spec.connector, "kv_role": kv_role, "engine_id": ENGINE_ID_PLACEHOLDER}
-    # Only the classes the plugin wraps (under vLLM's own names) come from it; a vendor connector such as
-    # NeuronNixlConnector is vLLM's (or its platform's) to resolve, and its engines do not advertise.
-    if spec.uses_plugin:
-        config["kv_connector_module_path"] = PLUGIN_MODULE
-    config["kv_connector_extra_config"] = {"backends": [spec.backend]}
-    return config
+    # Bidirectional (pull only) needs both directions on both engines: vLLM's kv_both. Only the classes the
+    # plugin wraps (under vLLM's own names) come from it; a vendor connector such as NeuronNixlConnector is
+    # vLLM's (or its platform's) to resolve, and its engines do not advertise.
+    return render_kv_transfer_config(connector=spec.connector, role=role, engine_id=ENGINE_ID_PLACEHOLDER,
+                                     backend=spec.backend, use_plugin=spec.uses_plugin,
+                                     bidirectional=spec.kv_transfer.bidirectional,
+                                     push_registration_timeout=spec.kv_transfer.registration_timeout_seconds
+                                     if spec.kv_transfer.mode == "push" else None)
 
 
 def engine_args(spec: DisaggregatedInferenceSpec, role_name: str) -> list[str]:
@@ -138,7 +138,7 @@ def _dedupe(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def rendezvous_token_env(cr: str) -> dict[str, Any]:
     """auth token: the deployment's shared write token, from the Secret the operator creates once."""
-    return {"name": "DISAGG_RENDEZVOUS_TOKEN", "valueFrom": {"secretKeyRef": {
+    return {"name": wire_env.RENDEZVOUS_TOKEN, "valueFrom": {"secretKeyRef": {
         "name": names.rendezvous_token_secret(cr), "key": names.RENDEZVOUS_TOKEN_KEY}}}
 
 
@@ -146,7 +146,7 @@ def engine_rendezvous_auth_env(cr: DisaggregatedInference) -> dict[str, Any]:
     """How an engine proves itself to the rendezvous: auth kubernetes, the pod's projected ServiceAccount token
     (a file the kubelet rotates, re-read on every request); auth token, the shared token."""
     if cr.spec.rendezvous.auth == "kubernetes":
-        return _env("DISAGG_RENDEZVOUS_TOKEN_FILE", posixpath.join(names.RENDEZVOUS_TOKEN_DIR,
+        return _env(wire_env.RENDEZVOUS_TOKEN_FILE, posixpath.join(names.RENDEZVOUS_TOKEN_DIR,
                                                                     names.RENDEZVOUS_TOKEN_PATH))
     return rendezvous_token_env(cr_name(cr))
 
@@ -158,25 +158,23 @@ def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any
     if spec.efa_for(role) > 0:
         env += [_env(k, v) for k, v in spec.profile.env.items()]
     env += [
-        _field_env("POD_NAME", "metadata.name"),
-        _field_env("POD_UID", "metadata.uid"),
-        _field_env("POD_IP", "status.podIP"),
-        _env("DISAGG_ENGINE_ID", "$(POD_NAME)-$(POD_UID)"),
-        _env("VLLM_NIXL_SIDE_CHANNEL_HOST", "$(POD_IP)"),
-        _env("VLLM_NIXL_SIDE_CHANNEL_PORT", spec.kv_transfer.side_channel_port),
-        _env("DISAGG_ROLE", role_name),
-        _env("DISAGG_DEPLOYMENT", name),
-        _env("DISAGG_LAYOUT_KEY", names.layout_key(spec)),
-        _env("DISAGG_RENDEZVOUS_URL", names.rendezvous_url(name, namespace_of(cr))),
+        _field_env(wire_env.POD_NAME, "metadata.name"),
+        _field_env(wire_env.POD_UID, "metadata.uid"),
+        _field_env(wire_env.POD_IP, "status.podIP"),
+        _env(wire_env.ENGINE_ID, f"$({wire_env.POD_NAME})-$({wire_env.POD_UID})"),
+        _env(wire_env.SIDE_CHANNEL_HOST, f"$({wire_env.POD_IP})"),
+        _env(wire_env.SIDE_CHANNEL_PORT, spec.kv_transfer.side_channel_port),
+        _env(wire_env.ROLE, role_name),
+        _env(wire_env.DEPLOYMENT, name),
+        _env(wire_env.LAYOUT_KEY, names.layout_key(spec)),
+        _env(wire_env.RENDEZVOUS_URL, names.rendezvous_url(name, namespace_of(cr))),
         engine_rendezvous_auth_env(cr),
-        _env("DISAGG_HEARTBEAT_SECONDS", spec.rendezvous.heartbeat_seconds),
-        _env("DISAGG_KV_MODE", spec.kv_transfer.mode),
-        _env("DISAGG_LEASE_SECONDS", spec.kv_transfer.lease_seconds),
-        _env("DISAGG_REGISTRATION_TIMEOUT_SECONDS", spec.kv_transfer.registration_timeout_seconds),
+        _env(wire_env.HEARTBEAT_SECONDS, spec.rendezvous.heartbeat_seconds),
+        _env(wire_env.KV_MODE, spec.kv_transfer.mode),
         # vLLM's own knob for how long a producer keeps unclaimed KV blocks (pull mode's lease).
         _env("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", spec.kv_transfer.lease_seconds),
         # The plugin runs inside vLLM's engine core, which does not know the API server's port it advertises.
-        _env("DISAGG_HTTP_PORT", spec.engine.port),
+        _env(wire_env.HTTP_PORT, spec.engine.port),
     ]
     if spec.uses_plugin:
         env.append(_env("PYTHONPATH", PLUGIN_DIR))  # the init container's copy of disagg.connector

@@ -5,10 +5,12 @@ import hashlib
 import json
 from typing import TYPE_CHECKING
 
+from disagg.connector.wire import env as wire_env
+
 if TYPE_CHECKING:
     from .api import DisaggregatedInferenceSpec
 
-ENGINE_ROLES = ("prefill", "decode")
+ENGINE_ROLES = wire_env.ROLES
 ROUTER = "router"
 RENDEZVOUS = "rendezvous"
 
@@ -20,7 +22,7 @@ LABEL_ROLE = "serving.disagg.io/role"
 APP_NAME = "disagg"
 MANAGED_BY = "disagg-operator"
 
-RENDEZVOUS_PORT = 8080
+RENDEZVOUS_PORT = wire_env.RENDEZVOUS_PORT
 ROUTER_CONTAINER_PORT = 8000
 
 
@@ -48,8 +50,8 @@ RENDEZVOUS_TOKEN_KEY = "token"
 
 # spec.rendezvous.auth: kubernetes. Engines present a projected ServiceAccount token for this audience (so it is
 # useless against the API server); the rendezvous, running as its own ServiceAccount, verifies it with a
-# TokenReview, which system:auth-delegator allows. Equal to disagg.connector.rendezvous.DEFAULT_AUDIENCE.
-RENDEZVOUS_AUDIENCE = "disagg-rendezvous"
+# TokenReview, which system:auth-delegator allows.
+RENDEZVOUS_AUDIENCE = wire_env.TOKEN_AUDIENCE
 AUTH_DELEGATOR = "system:auth-delegator"
 RENDEZVOUS_TOKEN_DIR = "/var/run/secrets/disagg/rendezvous"
 RENDEZVOUS_TOKEN_PATH = "token"

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 import aiohttp
 from pydantic import ValidationError
 
-from disagg.connector.rendezvous_client import RendezvousClient, RendezvousError
+from disagg.connector.rendezvous.client import RendezvousClient, RendezvousError
 
 from . import metrics, names
 from .status import EngineTransport, TransportReport

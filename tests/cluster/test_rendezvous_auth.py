@@ -15,7 +15,8 @@ from lightkube.resources.core_v1 import Pod, ServiceAccount
 from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 
 from disagg import cli
-from disagg.connector.rendezvous import DEFAULT_AUDIENCE, build_server
+from disagg.connector.rendezvous.server import build_server
+from disagg.connector.wire.env import TOKEN_AUDIENCE as DEFAULT_AUDIENCE
 from disagg.operator.names import rendezvous_binding_name
 from support.dinf import Dinf, create, is_ready, small
 from support.kube import token_kubeconfig, watch_until

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from lightkube.resources.core_v1 import Event
 
-from disagg.connector.rendezvous_client import RendezvousClient
+from disagg.connector.rendezvous.client import RendezvousClient
 from support.dinf import Dinf, cond, create, is_ready
 from support.engines import Service
 from support.kube import watch_list_until, watch_until

@@ -11,9 +11,9 @@ import uuid
 import msgspec
 import pytest
 
-from disagg.connector import pd_protocol
-from disagg.connector.advertisement import EngineAdvertisement
-from disagg.connector.plugin_advertiser import decode_kv_metadata
+from disagg.connector.router import pd_protocol
+from disagg.connector.wire.advertisement import EngineAdvertisement
+from disagg.connector.wire import kv_metadata
 from support.engines import PROMPTS, Load, await_log, log_lines, chat, completion, await_status, metric, post, post_raw, stream_text, text_of
 
 pytestmark = pytest.mark.engines
@@ -43,7 +43,7 @@ def await_advertised(rendezvous_url: str, engine_id: str, timeout: float = 60) -
 def null_block_descriptors(adv: EngineAdvertisement) -> list[int]:
     """NIXL descriptor ids of block 0 (vLLM's null block) in each KV region the engine registered, derived from
     its advertised handshake payload: region k's descriptors follow those of regions 0..k-1."""
-    payload = msgspec.msgpack.decode(decode_kv_metadata(adv.kv_metadata)[(0, 0)])
+    payload = msgspec.msgpack.decode(kv_metadata.decode(adv.kv_metadata)[(0, 0)])
     meta = msgspec.msgpack.decode(payload["agent_metadata_bytes"])
     per_region = meta["region_num_blocks"] or [meta["num_blocks"]] * len(meta["block_lens"])
     return [sum(per_region[:k]) for k in range(len(per_region))]

@@ -38,7 +38,7 @@ def installed(tmp_path_factory) -> Path:
         REPO)
     (wheel,) = (tmp / "dist").glob("disagg-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "disagg/connector/launch.sh.j2" in names, "package data (the launch script template) is in the wheel"
+    assert "disagg/operator/launch.sh.j2" in names, "package data (the launch script template) is in the wheel"
     assert not [n for n in names if n.startswith("tests/") or "/tests/" in n]
     run(sys.executable, "-m", "venv", tmp / "venv")
     run(tmp / "venv" / "bin" / "python", "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel)
@@ -63,9 +63,11 @@ def test_install_plugin_copies_the_wheels_connector_package(installed, tmp_path)
     site = Path(run(installed / "python", "-c", "import disagg.connector, os; "
                     "print(os.path.dirname(disagg.connector.__file__))", cwd="/").stdout.strip())
     assert str(site).startswith(str(installed.parent)), "the wheel's copy, not the checkout"
-    wheel_files = sorted(p.name for p in site.glob("*.py"))
-    assert "advertisement.py" in wheel_files and "rendezvous_client.py" in wheel_files
-    assert sorted(p.name for p in (target / "disagg" / "connector").iterdir()) == wheel_files
+    copied = sorted(str(p.relative_to(target / "disagg" / "connector"))
+                    for p in (target / "disagg" / "connector").rglob("*.py"))
+    assert "wire/advertisement.py" in copied and "rendezvous/client.py" in copied and "plugin/__init__.py" in copied
+    for rel in copied:
+        assert (site / rel).read_bytes() == (target / "disagg" / "connector" / rel).read_bytes()
     assert sorted(p.name for p in (target / "disagg").iterdir()) == ["connector"]
 
 

@@ -6,7 +6,7 @@ import contextlib
 import functools
 from typing import Any, AsyncIterator
 
-from disagg.connector.advertisement import EngineAdvertisement, WatchEvent
+from disagg.connector.wire.advertisement import EngineAdvertisement, WatchEvent
 
 LAYOUT = "0123456789abcdef"
 

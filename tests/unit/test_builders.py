@@ -10,21 +10,7 @@ from disagg.operator import names
 from disagg.operator.api import DisaggregatedInference
 from disagg.operator.builders import OperatorImages, build_children, endpoint_url, engine_args
 from disagg.operator.merge import deep_merge
-
-UID = "8d2c1f3e-0000-4000-8000-000000000001"
-
-
-def make_cr(spec: dict[str, Any] | None = None, *, uid: str | None = UID, profile: str = "nvidia-h200",
-            name: str = "qwen", namespace: str = "ml") -> DisaggregatedInference:
-    base = {"model": {"name": "Qwen/Qwen3-32B"}, "accelerator": {"profile": profile},
-            "prefill": {"tensorParallelSize": 4}, "decode": {"tensorParallelSize": 4}}
-    metadata = {"name": name, "namespace": namespace}
-    if uid:
-        metadata["uid"] = uid
-    return DisaggregatedInference.model_validate({"apiVersion": "serving.disagg.io/v1alpha1",
-                                                  "kind": "DisaggregatedInference", "metadata": metadata,
-                                                  "spec": deep_merge(base, spec or {})})
-
+from support.crs import UID, make_cr
 
 def child(children: list[dict], kind: str, name: str) -> dict:
     [obj] = [c for c in children if c["kind"] == kind and c["metadata"]["name"] == name]
@@ -65,7 +51,8 @@ def test_p5en_tp4_gets_four_gpus_eight_efa_hugepages_and_privileged():
         spec = pod(children, role)["spec"]
         assert spec["nodeSelector"]["node.kubernetes.io/instance-type"] == "p5en.48xlarge"
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-    assert kv_config(make_cr(), "prefill")["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"]}
+    assert kv_config(make_cr(), "prefill")["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"],
+                                                                           "push_registration_timeout": 60}
 
 
 def test_data_parallel_ranks_multiply_into_devices_and_efa():
@@ -98,7 +85,7 @@ def test_efa_off_drops_efa_resources_env_and_uses_ucx():
         assert "LD_LIBRARY_PATH" not in env_of(c)
         # No EFA to register GPU memory with: the privileged escape hatch is not needed.
         assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
-        assert kv_config(cr, role)["kv_connector_extra_config"] == {"backends": ["UCX"]}
+        assert kv_config(cr, role)["kv_connector_extra_config"]["backends"] == ["UCX"]
     script = child(children, "ConfigMap", "qwen-launch")["data"]["prefill.sh"]
     assert "fi_info" not in script and "HugePages_Total" not in script
 
@@ -572,9 +559,8 @@ def test_rendezvous_auth_kubernetes_is_the_default():
 
 
 def test_the_engines_token_audience_is_the_one_the_rendezvous_checks():
-    from disagg.connector.rendezvous import DEFAULT_AUDIENCE, pod_name_pattern
+    from disagg.connector.rendezvous.auth import pod_name_pattern
 
-    assert names.RENDEZVOUS_AUDIENCE == DEFAULT_AUDIENCE
     # The StatefulSets' pods are the names the rendezvous accepts.
     children = build_children(make_cr({"prefill": {"replicas": 2}}))
     for role in ("prefill", "decode"):

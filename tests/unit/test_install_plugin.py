@@ -23,7 +23,10 @@ def run_install(target: Path) -> subprocess.CompletedProcess:
 
 
 def source_files() -> set[str]:
-    return {str(p.relative_to(SOURCE)) for p in SOURCE.rglob("*.py") if "__pycache__" not in p.parts}
+    """What an engine imports: the plugin, the wire contract and the rendezvous client, with their packages."""
+    parts = [SOURCE / "plugin", SOURCE / "wire"]
+    files = {str(p.relative_to(SOURCE)) for d in parts for p in d.rglob("*.py") if "__pycache__" not in p.parts}
+    return files | {"__init__.py", "rendezvous/__init__.py", "rendezvous/client.py"}
 
 
 def installed_files(target: Path) -> set[str]:
@@ -56,8 +59,10 @@ target = pathlib.Path(sys.argv[1])
 out = {"missing": {}, "files": {}}
 import disagg
 out["disagg_path"] = [str(p) for p in disagg.__path__]
-for f in sorted((target / "disagg" / "connector").glob("*.py")):
-    name = "disagg.connector" if f.stem == "__init__" else "disagg.connector." + f.stem
+root = target / "disagg" / "connector"
+for f in sorted(root.rglob("*.py")):
+    rel = f.relative_to(root).with_suffix("").parts
+    name = ".".join(("disagg", "connector", *(rel[:-1] if rel[-1] == "__init__" else rel)))
     try:
         mod = importlib.import_module(name)
         out["files"][name] = mod.__file__
@@ -78,9 +83,11 @@ def test_the_copied_tree_alone_provides_disagg_connector(tmp_path, third_party_o
     done = run_install(target)
     assert done.returncode == 0, done.stderr
     assert f"in {target}/disagg/connector" in done.stdout
-    assert installed_files(target) == source_files(), "every Python file of the package, nothing else"
+    assert installed_files(target) == source_files(), "what engines import, nothing else"
+    assert not (target / "disagg" / "connector" / "router").exists(), "the router never runs in an engine"
+    assert not (target / "disagg" / "connector" / "rendezvous" / "server.py").exists()
     assert not (target / "disagg" / "__init__.py").exists(), "disagg must stay a namespace package"
-    for f in (target / "disagg" / "connector").iterdir():
+    for f in (target / "disagg" / "connector").rglob("*"):
         assert f.stat().st_mode & 0o444 == 0o444, f"{f.name} readable by the engine container's user"
 
     # An interpreter like the engine's: no site (so no editable-install hook and no site-packages), cwd=/, the
@@ -93,7 +100,9 @@ def test_the_copied_tree_alone_provides_disagg_connector(tmp_path, third_party_o
     out = json.loads(probe.stdout)
     assert out["operator"] is None, "this interpreter must not have disagg installed"
     assert out["disagg_path"] == [str(target / "disagg")]
-    assert "disagg.connector.advertisement" in out["files"] and "disagg.connector.rendezvous_client" in out["files"]
+    assert {"disagg.connector.wire.advertisement", "disagg.connector.rendezvous.client",
+            "disagg.connector.plugin.prewarm"} <= set(out["files"])
+    assert out["missing"].get("disagg.connector.plugin.connectors") == "vllm", "only vLLM's own modules are missing"
     for name, file in out["loaded"].items():
         assert file is None or file.startswith(str(target)), f"{name} came from {file}, not the copy"
     for name, missing in out["missing"].items():
@@ -107,13 +116,13 @@ def test_rerunning_replaces_a_stale_tree_and_is_a_no_op_when_current(tmp_path):
     assert again.returncode == 0 and "already up to date" in again.stdout
 
     root = target / "disagg" / "connector"
-    (root / "advertisement.py").write_text("raise ImportError('stale')\n")
+    (root / "wire" / "advertisement.py").write_text("raise ImportError('stale')\n")
     (root / "removed_in_this_version.py").write_text("")
     (target / "disagg" / ".connector-new-leftover").mkdir()  # an interrupted earlier run
     fixed = run_install(target)
     assert fixed.returncode == 0 and "installed" in fixed.stdout
     assert installed_files(target) == source_files()
-    assert (root / "advertisement.py").read_bytes() == (SOURCE / "advertisement.py").read_bytes()
+    assert (root / "wire" / "advertisement.py").read_bytes() == (SOURCE / "wire" / "advertisement.py").read_bytes()
     assert sorted(p.name for p in (target / "disagg").iterdir()) == ["connector"], "no staging leftovers"
 
 
@@ -121,8 +130,8 @@ def test_a_failed_copy_never_leaves_a_half_tree(tmp_path, monkeypatch):
     target = tmp_path / "opt-disagg"
     install_plugin.install(target)
     root = target / "disagg" / "connector"
-    (root / "advertisement.py").write_text("# the previous version\n")
-    before = {p.name: p.read_bytes() for p in root.iterdir()}
+    (root / "wire" / "advertisement.py").write_text("# the previous version\n")
+    before = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
     copied = []
     real = install_plugin.shutil.copyfile
@@ -137,7 +146,7 @@ def test_a_failed_copy_never_leaves_a_half_tree(tmp_path, monkeypatch):
     with pytest.raises(install_plugin.InstallError, match="No space left on device"):
         install_plugin.install(target)
     assert copied, "the copy had started"
-    assert {p.name: p.read_bytes() for p in root.iterdir()} == before, "the previous tree is untouched"
+    assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()} == before, "the previous tree is untouched"
     assert sorted(p.name for p in (target / "disagg").iterdir()) == ["connector"]
 
 

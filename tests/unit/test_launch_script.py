@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.connector.launch import render_launch_script
+from disagg.operator.launch_script import render_launch_script
 from disagg.operator.api import DisaggregatedInference
 from disagg.operator.builders import build_children
 
@@ -126,7 +126,8 @@ def test_operator_rendered_script_execs_vllm_with_expanded_engine_id(fake_pod):
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert config["engine_id"] == ENGINE_ID
     assert config["kv_role"] == "kv_consumer"
-    assert config["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"]}
+    # A push decode waits spec.kvTransfer.registrationTimeoutSeconds for its KV, not vLLM's 480 s.
+    assert config["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"], "push_registration_timeout": 60}
     # Shell metacharacters in user args reach vLLM verbatim.
     assert argv[-2:] == ["--chat-template", "{{ it's $HOME `x` }}"]
     assert not fake_pod.termlog.exists()

@@ -13,15 +13,16 @@ import sys
 import textwrap
 import time
 
-from disagg.connector.rendezvous import RendezvousServer, TokenAuth
-from disagg.connector.rendezvous_client import RendezvousClient
+from disagg.connector.rendezvous.auth import TokenAuth
+from disagg.connector.rendezvous.server import RendezvousServer
+from disagg.connector.rendezvous.client import RendezvousClient
 from support.rendezvous import run_async
 
 CHILD = textwrap.dedent('''
     import sys, time
     from types import SimpleNamespace
-    from disagg.connector.plugin_advertiser import EngineAdvertiser
-    from disagg.connector.plugin_settings import PluginSettings
+    from disagg.connector.plugin.advertiser import EngineAdvertiser
+    from disagg.connector.plugin.settings import PluginSettings
     cfg = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(engine_id="dec-1", kv_connector="NixlPushConnector", kv_role="kv_consumer"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1),

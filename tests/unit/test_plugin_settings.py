@@ -2,13 +2,20 @@
 from __future__ import annotations
 
 import base64
+import re
 from types import SimpleNamespace
 
 import pytest
 
-from disagg.connector.advertisement import EngineAdvertisement
-from disagg.connector.plugin_advertiser import build_advertisement, decode_kv_metadata, encode_kv_metadata
-from disagg.connector.plugin_settings import PluginSettings
+from disagg.connector.wire.advertisement import EngineAdvertisement
+from disagg.connector.plugin.advertiser import build_advertisement
+from disagg.connector.wire import kv_metadata
+from disagg.connector.plugin.settings import PluginSettings
+from disagg.connector.rendezvous.client import RendezvousClient
+from disagg.operator import names
+from disagg.operator.engine_builders import engine_env
+from disagg.operator.merge import deep_merge
+from support.crs import make_cr
 
 
 def vllm_config(connector="NixlPushConnector", kv_role="kv_consumer", tp=2, block=128):
@@ -19,18 +26,40 @@ def vllm_config(connector="NixlPushConnector", kv_role="kv_consumer", tp=2, bloc
         cache_config=SimpleNamespace(block_size=block), model_config=SimpleNamespace(model="m", dtype="bfloat16"))
 
 
-OPERATOR_ENV = {"DISAGG_ROLE": "decode", "DISAGG_DEPLOYMENT": "qwen", "DISAGG_LAYOUT_KEY": "abc123",
-                "DISAGG_RENDEZVOUS_URL": "http://qwen-rendezvous:8080", "DISAGG_RENDEZVOUS_TOKEN_FILE": "/var/run/t",
-                "DISAGG_HEARTBEAT_SECONDS": "5", "DISAGG_HTTP_PORT": "8000", "POD_IP": "10.0.0.7",
-                "POD_NAME": "qwen-decode-0", "POD_UID": "uid"}
+POD = {"metadata.name": "qwen-decode-0", "metadata.uid": "uid-1", "status.podIP": "10.0.0.7"}
 
 
-def test_settings_from_the_operator_env():
-    s = PluginSettings.from_vllm(vllm_config(), OPERATOR_ENV)
-    assert (s.engine_id, s.role, s.kv_mode, s.deployment, s.layout_key) == ("dec-0-uid", "decode", "push", "qwen",
-                                                                           "abc123")
-    assert (s.tp_size, s.block_size, s.http_port, s.heartbeat_seconds) == (2, 128, 8000, 5.0)
-    assert (s.rendezvous_url, s.token, s.token_file) == ("http://qwen-rendezvous:8080", None, "/var/run/t")
+def operator_env(spec: dict | None = None) -> dict[str, str]:
+    """The env the operator renders for a decode engine container, as the kubelet resolves it for one pod."""
+    env: dict[str, str] = {}
+    for item in engine_env(make_cr(deep_merge({"engine": {"port": 9100}}, spec or {})), "decode"):
+        if "value" in item:
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], item["value"])
+        elif "fieldRef" in item["valueFrom"]:
+            env[item["name"]] = POD[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:  # a Secret's key: the token
+            env[item["name"]] = "shared-token"
+    return env
+
+
+OPERATOR_ENV = operator_env()
+
+
+def test_the_plugin_reads_what_the_operator_renders():
+    env = OPERATOR_ENV
+    s = PluginSettings.from_vllm(vllm_config(), env)
+    assert (s.role, s.kv_mode, s.deployment) == ("decode", "push", "qwen")
+    assert s.layout_key == names.layout_key(make_cr().spec)
+    assert (s.tp_size, s.block_size, s.http_port, s.heartbeat_seconds) == (2, 128, 9100, 5.0)
+    assert (s.rendezvous_url, s.token, s.token_file) == ("http://qwen-rendezvous.ml.svc:8080", None,
+                                                         "/var/run/secrets/disagg/rendezvous/token")
+    assert str(RendezvousClient.from_env(env).token_file) == s.token_file
+    adv = build_advertisement(s, {(0, 0): b"x"}, "h", "UCX", env["VLLM_NIXL_SIDE_CHANNEL_HOST"],
+                              int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]))
+    assert (adv.pod_name, adv.pod_uid, adv.http_url) == ("qwen-decode-0", "uid-1", "http://10.0.0.7:9100")
+    assert env["DISAGG_ENGINE_ID"] == "qwen-decode-0-uid-1", "vLLM's engine_id (the launch script's expansion)"
+    shared = PluginSettings.from_vllm(vllm_config(), operator_env({"rendezvous": {"auth": "token"}}))
+    assert (shared.token, shared.token_file) == ("shared-token", None)
 
 
 def test_local_settings_derive_role_mode_and_a_layout_key():
@@ -55,12 +84,12 @@ def test_warmup_spans_several_blocks_within_the_context():
 
 def test_kv_metadata_round_trips_and_rejects_anything_else():
     payloads = {(0, 0): b"\x81\xa1a\x01", (0, 1): b"rank1"}
-    md = encode_kv_metadata(payloads, "hash")
+    md = kv_metadata.encode(payloads, "hash")
     assert md["format"] == "vllm-nixl-handshake-v1" and md["compatibility_hash"] == "hash"
-    assert decode_kv_metadata(md) == payloads
+    assert kv_metadata.decode(md) == payloads
     for junk in (None, "b64", {"format": "other"}, {"format": md["format"], "ranks": {"x": "AA=="}},
                  {"format": md["format"], "ranks": {"0,0": "not base64!"}}, {"format": md["format"], "ranks": []}):
-        assert decode_kv_metadata(junk) is None
+        assert kv_metadata.decode(junk) is None
 
 
 def test_advertisement_carries_identity_sizes_transport_and_metadata():
@@ -68,8 +97,8 @@ def test_advertisement_carries_identity_sizes_transport_and_metadata():
     adv = build_advertisement(s, {(0, 0): b"p0", (0, 1): b"p1"}, "hash", "UCX", "10.0.0.7", 5600)
     assert isinstance(adv, EngineAdvertisement)
     assert (adv.role, adv.engine_id, adv.deployment, adv.pod_name, adv.pod_uid) == (
-        "decode", "dec-0-uid", "qwen", "qwen-decode-0", "uid")
-    assert (adv.http_url, adv.side_channel_host, adv.side_channel_ports) == ("http://10.0.0.7:8000", "10.0.0.7",
+        "decode", "dec-0-uid", "qwen", "qwen-decode-0", "uid-1")
+    assert (adv.http_url, adv.side_channel_host, adv.side_channel_ports) == ("http://10.0.0.7:9100", "10.0.0.7",
                                                                              [5600])
     assert (adv.tp_size, adv.block_size, adv.kv_mode, adv.transport, adv.lease_seconds) == (2, 128, "push", "UCX",
                                                                                            15.0)

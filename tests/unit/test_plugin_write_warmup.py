@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from disagg.connector.plugin_write_warmup import SkipWarmup, warm_write_path
+from disagg.connector.plugin.write_warmup import SkipWarmup, warm_write_path
 
 
 class RecordingNixl:

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from disagg.connector.registry import Conflict, NotFound, Registry, RegistryFull
+from disagg.connector.rendezvous.registry import Conflict, NotFound, Registry, RegistryFull
 from support.rendezvous import ManualClock, advert, run_async
 
 

@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.connector.advertisement import WatchEvent
-from disagg.connector.registry import Registry
-from disagg.connector.rendezvous import KubernetesAuth, NoAuth, RendezvousServer, TokenAuth
-from disagg.connector.rendezvous_client import (EngineCache, EngineRegistration, RendezvousClient, RendezvousError,
-                                                advertisement_from_env)
+from disagg.connector.wire.advertisement import WatchEvent
+from disagg.connector.rendezvous.registry import Registry
+from disagg.connector.rendezvous.auth import KubernetesAuth, NoAuth, TokenAuth
+from disagg.connector.rendezvous.server import RendezvousServer
+from disagg.connector.rendezvous.client import (EngineCache, EngineRegistration, RendezvousClient, RendezvousError)
 from support.rendezvous import advert, advert_json, next_event, run_async, task
 
 TOKEN = "s3cret-token"
@@ -453,25 +453,6 @@ async def test_registration_in_a_thread_for_synchronous_callers():
                 await asyncio.sleep(0.02)
         await asyncio.to_thread(reg.stop_thread)
         assert server.registry.get("threaded") is None and not reg.registered
-
-
-def test_advertisement_from_the_operator_env():
-    env = {"DISAGG_ROLE": "decode", "DISAGG_ENGINE_ID": "qwen-decode-0-uid", "DISAGG_DEPLOYMENT": "qwen",
-           "DISAGG_LAYOUT_KEY": "0123456789abcdef", "DISAGG_KV_MODE": "push", "DISAGG_HEARTBEAT_SECONDS": "5",
-           "POD_NAME": "qwen-decode-0", "POD_UID": "uid", "POD_IP": "10.1.2.3",
-           "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.1.2.3", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
-           "DISAGG_RENDEZVOUS_URL": "http://qwen-rendezvous.ml.svc:8080"}
-    a = advertisement_from_env(tp_size=4, block_size=128, dp_size=2, transport="LIBFABRIC", env=env)
-    assert (a.role, a.engine_id, a.pod_name, a.http_url, a.side_channel_ports, a.lease_seconds) == \
-        ("decode", "qwen-decode-0-uid", "qwen-decode-0", "http://10.1.2.3:8000", [5600, 5601], 15.0)
-    assert RendezvousClient.from_env(env).url == "http://qwen-rendezvous.ml.svc:8080"
-    # The HTTP port the operator gives the pod (spec.engine.port); an explicit argument still wins.
-    ported = {**env, "DISAGG_HTTP_PORT": "9100"}
-    assert advertisement_from_env(tp_size=1, block_size=16, env=ported).http_url == "http://10.1.2.3:9100"
-    assert advertisement_from_env(tp_size=1, block_size=16, http_port=9200, env=ported).http_url == \
-        "http://10.1.2.3:9200"
-    with pytest.raises(KeyError, match="DISAGG_ENGINE_ID"):
-        advertisement_from_env(tp_size=1, block_size=16, env={k: v for k, v in env.items() if k != "DISAGG_ENGINE_ID"})
 
 
 # ---- Kubernetes auth, with a stand-in for the TokenReview API (the real one: tests/cluster) --------------------

@@ -8,8 +8,8 @@ from typing import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from disagg.connector.engine_pool import EnginePool
-from disagg.connector.router import DECODE_HEADER, PREFILL_HEADER, Router, Settings
+from disagg.connector.router.engine_pool import EnginePool
+from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER, Router, Settings
 from support.rendezvous import advert, run_async
 
 

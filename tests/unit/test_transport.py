@@ -10,8 +10,9 @@ from typing import AsyncIterator
 
 import pytest
 
-from disagg.connector.rendezvous import RendezvousServer, TokenAuth
-from disagg.connector.rendezvous_client import RendezvousClient
+from disagg.connector.rendezvous.auth import TokenAuth
+from disagg.connector.rendezvous.server import RendezvousServer
+from disagg.connector.rendezvous.client import RendezvousClient
 from disagg.operator import names, run
 from disagg.operator.status import EngineTransport, TransportReport
 from disagg.operator.transport import DEFAULT_TEMPLATE, TransportPoller, check_template

@@ -1,6 +1,6 @@
 """Warm a new push pair's WRITE path before its first request: prefill WRITEs its null block into decode's.
 
-Loading a decode's NIXL agent and connecting to it (plugin_prewarm) still leaves work for the pair's first
+Loading a decode's NIXL agent and connecting to it (`prewarm`) still leaves work for the pair's first
 WRITE: the transport sets up the lanes and remote keys for each memory region on first use. On this 2-core
 machine that made a fresh pair's first handoff 10-20 ms slower than a warm one (bench/cold_pair.py). So right
 after loading a decode, a push prefill issues one WRITE that touches every KV region, the way a real request

@@ -23,7 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .advertisement import ROLES, EngineAdvertisement, RegisterResult, WatchEvent
+from ..wire.advertisement import EngineAdvertisement, RegisterResult, WatchEvent
+from ..wire.env import ROLES
 
 Clock = Callable[[], float]
 

@@ -8,7 +8,6 @@
   never raises into its caller. Runs as an asyncio task or in its own thread (vLLM's code is synchronous).
 - `EngineCache`: the router side. Applies watch events to a dict of engines, keeping what it knows while the
   rendezvous is down or warming up after a restart.
-- `advertisement_from_env`: an EngineAdvertisement from the env the operator gives engine pods.
 """
 from __future__ import annotations
 
@@ -24,20 +23,12 @@ from typing import Any, AsyncIterator, Callable, Mapping
 import aiohttp
 from pydantic import ValidationError
 
-from .advertisement import EngineAdvertisement, EngineList, RegisterResponse, WatchEvent
+from ..wire import env as wire_env
+from ..wire.advertisement import EngineAdvertisement, EngineList, RegisterResponse, WatchEvent
+from ..wire.env import DEFAULT_HEARTBEAT_SECONDS as DEFAULT_HEARTBEAT, LEASE_HEARTBEATS
 
 log = logging.getLogger("disagg.rendezvous.client")
 
-URL_ENV = "DISAGG_RENDEZVOUS_URL"
-TOKEN_ENV = "DISAGG_RENDEZVOUS_TOKEN"
-TOKEN_FILE_ENV = "DISAGG_RENDEZVOUS_TOKEN_FILE"
-HEARTBEAT_ENV = "DISAGG_HEARTBEAT_SECONDS"
-HTTP_PORT_ENV = "DISAGG_HTTP_PORT"
-"""The engine's OpenAI-server port (spec.engine.port), for the advertised `http_url`."""
-DEFAULT_HTTP_PORT = 8000
-DEFAULT_HEARTBEAT = 5.0
-LEASE_HEARTBEATS = 3
-"""Engines ask for a lease of this many heartbeats: an entry expires after three missed renewals."""
 MAX_LINE = 16 * 1024 * 1024
 
 
@@ -66,9 +57,10 @@ class RendezvousClient:
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, **kwargs: Any) -> RendezvousClient:
         """From $DISAGG_RENDEZVOUS_URL and $DISAGG_RENDEZVOUS_TOKEN or $DISAGG_RENDEZVOUS_TOKEN_FILE."""
-        if not env.get(URL_ENV):
-            raise KeyError(f"${URL_ENV} is not set")
-        return cls(env[URL_ENV], token=env.get(TOKEN_ENV) or None, token_file=env.get(TOKEN_FILE_ENV) or None,
+        if not env.get(wire_env.RENDEZVOUS_URL):
+            raise KeyError(f"${wire_env.RENDEZVOUS_URL} is not set")
+        return cls(env[wire_env.RENDEZVOUS_URL], token=env.get(wire_env.RENDEZVOUS_TOKEN) or None,
+                   token_file=env.get(wire_env.RENDEZVOUS_TOKEN_FILE) or None,
                    **kwargs)
 
     async def __aenter__(self) -> RendezvousClient:
@@ -375,40 +367,6 @@ class EngineRegistration:
         self.request_stop(deregister)
         self._thread.join(timeout)
         self._thread = None
-
-
-def heartbeat_from_env(env: Mapping[str, str] = os.environ) -> float:
-    return float(env.get(HEARTBEAT_ENV) or DEFAULT_HEARTBEAT)
-
-
-def advertisement_from_env(*, tp_size: int, block_size: int, pp_size: int = 1, dp_size: int = 1,
-                           http_url: str | None = None, http_port: int | None = None, transport: str | None = None,
-                           kv_metadata: str | dict[str, Any] | None = None,
-                           env: Mapping[str, str] = os.environ) -> EngineAdvertisement:
-    """The advertisement of this engine from the operator's env (DISAGG_ROLE, DISAGG_ENGINE_ID,
-    DISAGG_DEPLOYMENT, DISAGG_LAYOUT_KEY, DISAGG_KV_MODE, DISAGG_HEARTBEAT_SECONDS, POD_NAME, POD_UID, POD_IP,
-    VLLM_NIXL_SIDE_CHANNEL_HOST/PORT) plus what only vLLM knows (sizes, transport, KV metadata). The HTTP port
-    is `http_port`, else $DISAGG_HTTP_PORT (the operator sets it to spec.engine.port), else 8000.
-    Side-channel ports are PORT..PORT+dp_size-1; the lease is 3 heartbeats."""
-    def need(name: str) -> str:
-        if not env.get(name):
-            raise KeyError(f"${name} is not set")
-        return env[name]
-
-    host = need("VLLM_NIXL_SIDE_CHANNEL_HOST")
-    base = int(need("VLLM_NIXL_SIDE_CHANNEL_PORT"))
-    if http_url is None:
-        if http_port is None:
-            http_port = int(env.get(HTTP_PORT_ENV) or DEFAULT_HTTP_PORT)
-        ip = env.get("POD_IP") or host
-        http_url = f"http://[{ip}]:{http_port}" if ":" in ip else f"http://{ip}:{http_port}"
-    return EngineAdvertisement(
-        role=need("DISAGG_ROLE"), engine_id=need("DISAGG_ENGINE_ID"), deployment=need("DISAGG_DEPLOYMENT"),
-        pod_name=env.get("POD_NAME") or None, pod_uid=env.get("POD_UID") or None, http_url=http_url,
-        side_channel_host=host, side_channel_ports=list(range(base, base + dp_size)), tp_size=tp_size,
-        pp_size=pp_size, dp_size=dp_size, block_size=block_size, layout_key=need("DISAGG_LAYOUT_KEY"),
-        kv_mode=env.get("DISAGG_KV_MODE") or "push", transport=transport, kv_metadata=kv_metadata,
-        lease_seconds=LEASE_HEARTBEATS * heartbeat_from_env(env))
 
 
 # ---- routers -------------------------------------------------------------------------------------------------

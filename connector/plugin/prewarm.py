@@ -9,7 +9,7 @@ ahead of time:
 - push mode: prefill loads each decode engine's agent with its KV descriptors (what a WRITE needs), and decode
   loads each prefill engine's agent for notifications only (what PUSH_REG needs) — both straight from the
   handshake payloads the peer advertised, without a side-channel round trip; then prefill warms the pair's
-  WRITE path with one empty transfer (`plugin_write_warmup`);
+  WRITE path with one empty transfer (`write_warmup`);
 - pull mode: decode handshakes with each prefill over the side channel in the background (pull needs the
   peer's clock offset, which only that round trip measures);
 - a peer whose entry is deleted or expires is released on the engine's main thread, like vLLM releases peers.
@@ -27,11 +27,11 @@ import threading
 import time
 from typing import Any
 
-from .advertisement import EngineAdvertisement, WatchEvent
-from .plugin_advertiser import decode_kv_metadata
-from .plugin_settings import PluginSettings
-from .plugin_write_warmup import SkipWarmup, warm_write_path
-from .rendezvous_client import EngineCache, RendezvousClient
+from ..wire.advertisement import EngineAdvertisement, WatchEvent
+from .settings import PluginSettings
+from .write_warmup import SkipWarmup, warm_write_path
+from ..rendezvous.client import EngineCache, RendezvousClient
+from ..wire import kv_metadata
 
 log = logging.getLogger("disagg.plugin")
 EMPTY_HEARTBEAT = b"HB:"
@@ -132,7 +132,7 @@ class PeerPrewarmer:
                    notif_agents_only: bool = False) -> tuple[dict[tuple[int, int], str], float]:
         with self._lock:
             adv = self.peers.get(expected_engine_id)
-        payloads = decode_kv_metadata(adv.kv_metadata) if adv is not None and self.settings.kv_mode == "push" \
+        payloads = kv_metadata.decode(adv.kv_metadata) if adv is not None and self.settings.kv_mode == "push" \
             else None
         if payloads is not None:
             try:

@@ -9,13 +9,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .rendezvous_client import HEARTBEAT_ENV, TOKEN_ENV, TOKEN_FILE_ENV, URL_ENV, heartbeat_from_env
+from ..wire import env as wire_env
+from ..wire.kv_transfer import ROLE_OF_KV_ROLE
 
 PUSH_CONNECTORS = frozenset({"NixlPushConnector"})
-KV_ROLE_TO_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode"}
-KV_METADATA_FORMAT = "vllm-nixl-handshake-v1"
-"""`kv_metadata.format` of advertisements: per rank, the msgpack NixlHandshakePayload that vLLM's side channel
-would serve (GET_META), base64-encoded."""
 
 
 @dataclass
@@ -38,14 +35,14 @@ class PluginSettings:
     transport: str | None = None
     max_model_len: int = 0
     write_warmup: bool = True
-    """Push prefill: WRITE the null block to each newly loaded decode (`plugin_write_warmup`);
+    """Push prefill: WRITE the null block to each newly loaded decode (`write_warmup`);
     `$DISAGG_WRITE_WARMUP=0` turns it off (the benchmark's before/after arm)."""
 
     def warmup_tokens(self) -> int:
-        """Prompt length of the self warm-up (`plugin_advertiser.warm_up`): two and a half KV blocks unless
+        """Prompt length of the self warm-up (`advertiser.warm_up`): two and a half KV blocks unless
         `$DISAGG_WARMUP_TOKENS` says otherwise, within the model's context. Several blocks, because a P/D engine's
         first real forward runs on a multi-block context."""
-        want = int(self.env.get("DISAGG_WARMUP_TOKENS") or (2 * self.block_size + self.block_size // 2))
+        want = int(self.env.get(wire_env.WARMUP_TOKENS) or (2 * self.block_size + self.block_size // 2))
         if self.max_model_len:
             want = min(want, self.max_model_len - 8)
         return max(want, 1)
@@ -60,19 +57,20 @@ class PluginSettings:
         dtype = str(getattr(vllm_config.model_config, "dtype", ""))
         return cls(
             engine_id=kv.engine_id,
-            role=env.get("DISAGG_ROLE") or KV_ROLE_TO_ROLE.get(kv.kv_role),
+            role=env.get(wire_env.ROLE) or ROLE_OF_KV_ROLE.get(kv.kv_role),
             kv_mode=mode,
-            deployment=env.get("DISAGG_DEPLOYMENT") or "local",
+            deployment=env.get(wire_env.DEPLOYMENT) or "local",
             # Without the operator's key, derive one from what must match between paired engines.
-            layout_key=env.get("DISAGG_LAYOUT_KEY") or "local-" + hashlib.sha256(
+            layout_key=env.get(wire_env.LAYOUT_KEY) or "local-" + hashlib.sha256(
                 f"{model}|{dtype}|{block_size}|{mode}".encode()).hexdigest()[:16],
             tp_size=int(par.tensor_parallel_size), pp_size=int(par.pipeline_parallel_size),
             dp_size=int(par.data_parallel_size), block_size=block_size,
-            http_port=int(env.get("DISAGG_HTTP_PORT") or 8000),
-            rendezvous_url=env.get(URL_ENV) or None, token=env.get(TOKEN_ENV) or None,
-            token_file=env.get(TOKEN_FILE_ENV) or None, heartbeat_seconds=heartbeat_from_env(env), env=env,
+            http_port=int(env.get(wire_env.HTTP_PORT) or wire_env.DEFAULT_HTTP_PORT),
+            rendezvous_url=env.get(wire_env.RENDEZVOUS_URL) or None, token=env.get(wire_env.RENDEZVOUS_TOKEN) or None,
+            token_file=env.get(wire_env.RENDEZVOUS_TOKEN_FILE) or None,
+            heartbeat_seconds=wire_env.heartbeat_seconds(env), env=env,
             max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
-            write_warmup=env.get("DISAGG_WRITE_WARMUP", "1") != "0")
+            write_warmup=env.get(wire_env.WRITE_WARMUP, "1") != "0")
 
     def compatible_peer(self, adv: Any) -> bool:
         """A peer this engine may be paired with: the other role, same deployment, layout and transfer mode."""
@@ -80,5 +78,3 @@ class PluginSettings:
                 and adv.deployment == self.deployment and adv.layout_key == self.layout_key
                 and adv.kv_mode == self.kv_mode)
 
-
-__all__ = ["HEARTBEAT_ENV", "KV_METADATA_FORMAT", "PluginSettings"]

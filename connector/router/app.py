@@ -26,7 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import TypeAdapter, ValidationError
 
 from . import pd_protocol as pd
-from .advertisement import EngineAdvertisement
+from ..wire.advertisement import EngineAdvertisement
 from .engine_pool import EnginePool
 
 log = logging.getLogger("disagg.router")
@@ -320,7 +320,7 @@ def build(args: argparse.Namespace) -> tuple[Router, list]:
             raise SystemExit(f"--engines-file {args.engines_file}: {e}")
         source = lambda: static  # noqa: E731
     else:
-        from .rendezvous_client import EngineCache, RendezvousClient
+        from ..rendezvous.client import EngineCache, RendezvousClient
 
         cache, client = EngineCache(), RendezvousClient(args.rendezvous)
         tasks.append((cache, client))

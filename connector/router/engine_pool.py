@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 import aiohttp
 
-from .advertisement import EngineAdvertisement
+from ..wire.advertisement import EngineAdvertisement
 from .pd_protocol import compatible
 
 log = logging.getLogger("disagg.router.pool")

@@ -1,22 +1,24 @@
 """Render the engine launch script (`launch.sh.j2`): preflight checks, then `exec` vLLM.
 
-Takes plain values only; the operator computes them from the spec. Never imports disagg.operator.
+Takes plain values only; the operator computes them from the spec.
 """
 from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
-from importlib import resources
+from pathlib import Path
 
 import jinja2
+
+from disagg.connector.wire.env import ROLES
 
 # Written literally into vLLM arguments by the operator (the engine id is only known inside the pod: it is
 # the pod name plus UID). The rendered script replaces every occurrence with the runtime value of
 # $DISAGG_ENGINE_ID; nothing else in an argument is expanded.
 ENGINE_ID_PLACEHOLDER = "$DISAGG_ENGINE_ID"
-ROLES = ("prefill", "decode")
 
-_TEMPLATE = "launch.sh.j2"
+# Beside this module (package data). Not importlib.resources: disagg.operator is a namespace package.
+_TEMPLATE = Path(__file__).with_name("launch.sh.j2")
 
 
 def _quote(arg: str) -> str:
@@ -39,7 +41,7 @@ def _lines(args: Sequence[str]) -> list[str]:
 
 
 def _template() -> jinja2.Template:
-    text = resources.files(__package__).joinpath(_TEMPLATE).read_text(encoding="utf-8")
+    text = _TEMPLATE.read_text(encoding="utf-8")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True)
     return env.from_string(text)

@@ -6,10 +6,10 @@ keep vLLM's names (`NixlPushConnector`, `NixlConnector`, `NixlPullConnector`) on
 like one without it. Everything the plugin adds is beside the transfer path, never in it:
 
 - scheduler side (the engine-core process): once the workers have registered their KV caches, advertise this
-  engine to the rendezvous (`plugin_advertiser`), including every rank's NIXL handshake payload, and renew
+  engine to the rendezvous (`advertiser`), including every rank's NIXL handshake payload, and renew
   the lease until shutdown;
 - worker side (each worker process): watch the rendezvous and load compatible peers' NIXL agents before any
-  request needs them (`plugin_prewarm`), and drop them when the peer's entry goes away.
+  request needs them (`prewarm`), and drop them when the peer's entry goes away.
 
 A rendezvous that is missing, slow or down never blocks or fails the engine: both sides run in their own
 threads, and vLLM's lazy side-channel handshake stays the fallback.
@@ -26,9 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nixl
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 
-from .plugin_advertiser import EngineAdvertiser
-from .plugin_prewarm import PeerPrewarmer
-from .plugin_settings import PluginSettings
+from .advertiser import EngineAdvertiser
+from .prewarm import PeerPrewarmer
+from .settings import PluginSettings
 
 log = logging.getLogger("disagg.plugin")
 

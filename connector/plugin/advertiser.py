@@ -2,11 +2,10 @@
 
 Runs in the engine-core process once the workers' KV caches are registered, because that is when the NIXL
 handshake payloads exist. The payloads go into `kv_metadata` so a peer can load this engine's NIXL agent
-without asking its side channel (`plugin_prewarm`).
+without asking its side channel (`prewarm`).
 """
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import signal
@@ -15,52 +14,31 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
-from .advertisement import EngineAdvertisement
-from .plugin_settings import KV_METADATA_FORMAT, PluginSettings
-from .rendezvous_client import LEASE_HEARTBEATS, EngineRegistration, RendezvousClient
+from ..wire.advertisement import EngineAdvertisement
+from ..rendezvous.client import EngineRegistration, RendezvousClient
+from ..wire import env as wire_env, kv_metadata
+from ..wire.env import LEASE_HEARTBEATS
+from .settings import PluginSettings
 
 log = logging.getLogger("disagg.plugin")
 
 
-def encode_kv_metadata(payloads: Mapping[tuple[int, int], bytes], compatibility_hash: str | None) -> dict[str, Any]:
-    """Every (pp_rank, tp_rank)'s handshake payload: the msgpack bytes vLLM's side channel serves for GET_META."""
-    return {"format": KV_METADATA_FORMAT, "compatibility_hash": compatibility_hash,
-            "ranks": {f"{pp},{tp}": base64.b64encode(raw).decode() for (pp, tp), raw in sorted(payloads.items())}}
-
-
-def decode_kv_metadata(kv_metadata: Any) -> dict[tuple[int, int], bytes] | None:
-    """The inverse of `encode_kv_metadata`: {(pp, tp): payload bytes}, or None for anything else."""
-    if not isinstance(kv_metadata, dict) or kv_metadata.get("format") != KV_METADATA_FORMAT:
-        return None
-    ranks = kv_metadata.get("ranks")
-    if not isinstance(ranks, dict):
-        return None
-    out: dict[tuple[int, int], bytes] = {}
-    try:
-        for key, b64 in ranks.items():
-            pp, tp = (int(x) for x in key.split(","))
-            out[(pp, tp)] = base64.b64decode(b64, validate=True)
-    except (ValueError, TypeError, AttributeError):
-        return None
-    return out
-
-
 def build_advertisement(s: PluginSettings, payloads: Mapping[tuple[int, int], bytes], compatibility_hash: str | None,
                         transport: str | None, side_channel_host: str, side_channel_port: int) -> EngineAdvertisement:
-    ip = s.env.get("POD_IP") or side_channel_host
+    ip = s.env.get(wire_env.POD_IP) or side_channel_host
     host = f"[{ip}]" if ":" in ip else ip
     if s.role is None:
         raise ValueError("cannot tell this engine's role: set $DISAGG_ROLE (kv_role is kv_both)")
     return EngineAdvertisement(
-        role=s.role, engine_id=s.engine_id, deployment=s.deployment, pod_name=s.env.get("POD_NAME") or None,
-        pod_uid=s.env.get("POD_UID") or None, http_url=f"http://{host}:{s.http_port}",
+        role=s.role, engine_id=s.engine_id, deployment=s.deployment, pod_name=s.env.get(wire_env.POD_NAME) or None,
+        pod_uid=s.env.get(wire_env.POD_UID) or None, http_url=f"http://{host}:{s.http_port}",
         side_channel_host=side_channel_host, side_channel_ports=list(range(side_channel_port,
                                                                            side_channel_port + s.dp_size)),
         tp_size=s.tp_size, pp_size=s.pp_size, dp_size=s.dp_size, block_size=s.block_size,
         layout_key=s.layout_key, kv_mode=s.kv_mode, transport=transport,
-        kv_metadata=encode_kv_metadata(payloads, compatibility_hash) if payloads else None,
+        kv_metadata=kv_metadata.encode(payloads, compatibility_hash) if payloads else None,
         lease_seconds=LEASE_HEARTBEATS * s.heartbeat_seconds)
 
 
@@ -91,7 +69,7 @@ class EngineAdvertiser:
         threading.Thread(target=self._warm_then_register, name="disagg-advertise", daemon=True).start()
 
     def _warm_then_register(self) -> None:
-        if self.settings.env.get("DISAGG_WARMUP", "1") != "0":
+        if self.settings.env.get(wire_env.WARMUP, "1") != "0":
             warm_up(f"http://127.0.0.1:{self.settings.http_port}", self._stopping, self.settings.warmup_tokens())
         if self._stopping.is_set():
             return

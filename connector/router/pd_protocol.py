@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Literal
 
-from .advertisement import EngineAdvertisement
+from ..wire.advertisement import EngineAdvertisement
 
 Endpoint = Literal["completions", "chat"]
 ROUTER_ONLY_FIELDS = ("kv_transfer_params",)

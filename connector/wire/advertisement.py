@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+
 Role = Literal["prefill", "decode"]
 KvMode = Literal["push", "pull"]
-ROLES: tuple[str, ...] = ("prefill", "decode")
 
 ENGINE_ID_MAX = 320  # a pod name (DNS subdomain, <= 253) + "-" + a UID (36), with room to spare
 # The launch script accepts the same characters; no "/" so an id is always one URL path segment.

@@ -1,0 +1,58 @@
+"""Env names the operator sets on engine containers and the engines read (the plugin and the launch script).
+
+The operator renders them (operator/engine_builders.py); the plugin, the rendezvous client and local runs
+(devcluster/engines.py) read them. A name used by only one side is not here.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+ROLES: Final = ("prefill", "decode")
+"""Engine roles, in this order everywhere (labels, env, advertisements)."""
+
+# Identity, from the downward API and the spec.
+POD_NAME: Final = "POD_NAME"
+POD_UID: Final = "POD_UID"
+POD_IP: Final = "POD_IP"
+ENGINE_ID: Final = "DISAGG_ENGINE_ID"
+"""`$(POD_NAME)-$(POD_UID)`: unique per pod incarnation; equals the vLLM `engine_id` of --kv-transfer-config."""
+ROLE: Final = "DISAGG_ROLE"
+DEPLOYMENT: Final = "DISAGG_DEPLOYMENT"
+LAYOUT_KEY: Final = "DISAGG_LAYOUT_KEY"
+"""Engines pair only within one layout key (model, dtype, block size, connector mode, image)."""
+KV_MODE: Final = "DISAGG_KV_MODE"
+HTTP_PORT: Final = "DISAGG_HTTP_PORT"
+"""The engine's API server port: the engine core, where the plugin advertises from, does not know it."""
+
+# vLLM's own side-channel settings, which the advertisement repeats.
+SIDE_CHANNEL_HOST: Final = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+SIDE_CHANNEL_PORT: Final = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+
+# The rendezvous.
+RENDEZVOUS_URL: Final = "DISAGG_RENDEZVOUS_URL"
+RENDEZVOUS_TOKEN: Final = "DISAGG_RENDEZVOUS_TOKEN"
+"""`spec.rendezvous.auth: token`: the shared token itself (from the deployment's Secret)."""
+RENDEZVOUS_TOKEN_FILE: Final = "DISAGG_RENDEZVOUS_TOKEN_FILE"
+"""`spec.rendezvous.auth: kubernetes`: the projected pod-bound token's path, re-read on every request."""
+HEARTBEAT_SECONDS: Final = "DISAGG_HEARTBEAT_SECONDS"
+
+# Plugin tuning (users set these through spec.engine.env; the operator does not).
+WARMUP: Final = "DISAGG_WARMUP"
+"""`0` skips the engine's two requests of its own before it advertises."""
+WARMUP_TOKENS: Final = "DISAGG_WARMUP_TOKENS"
+WRITE_WARMUP: Final = "DISAGG_WRITE_WARMUP"
+"""`0` turns off push prefill's null-block WRITE to each newly loaded decode."""
+
+DEFAULT_HTTP_PORT: Final = 8000
+DEFAULT_HEARTBEAT_SECONDS: Final = 5.0
+LEASE_HEARTBEATS: Final = 3
+"""An engine's lease is this many heartbeats: one lost renewal never expires it."""
+RENDEZVOUS_PORT: Final = 8080
+TOKEN_AUDIENCE: Final = "disagg-rendezvous"
+"""Audience of the projected engine tokens: the rendezvous accepts only these, and the API server never does."""
+
+
+def heartbeat_seconds(env: Mapping[str, str]) -> float:
+    return float(env.get(HEARTBEAT_SECONDS) or DEFAULT_HEARTBEAT_SECONDS)
+
