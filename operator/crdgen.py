@@ -167,7 +167,7 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
-REGENERATE = ("run `.venv/bin/python -m disagg.operator.crdgen` from the repository root "
+REGENERATE = ("run `make generate` (or `.venv/bin/python -m disagg.operator.crdgen`) from the repository root "
               "(it writes crds/ and charts/disagg-operator/crds/)")
 
 
