@@ -68,8 +68,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pd_client import (ALPHABET, Result, advertisement, completion_body, cpu_sample, direct_push, ms,  # noqa: E402
-                       one, quantile, via)
+from pd_client import ALPHABET, Result, advertisement, completion_body, cpu_sample, direct_push, ms, one, quantile, via  # noqa: E402
 
 from disagg.devcluster import tinymodel, vllm_env  # noqa: E402
 from disagg.devcluster.build import cache_dir  # noqa: E402
@@ -97,7 +96,8 @@ ARMS = {
                       "instead of at once: separates costs still in flight after the load (transport set-up) from "
                       "costs of the first request itself",
 }
-PREWARMING = ("plugin", "plugin-decode-warmed", "plugin-settled", "plugin-short-warmup", "plugin-no-write-warmup")  # arms with a rendezvous, which wait for the peers' pre-loading
+# Arms with a rendezvous, which wait for the peers' pre-loading.
+PREWARMING = ("plugin", "plugin-decode-warmed", "plugin-settled", "plugin-short-warmup", "plugin-no-write-warmup")
 PREFILL_LOADED = "loaded decode engine {id}'s NIXL agent from its advertisement"
 DECODE_LOADED = "loaded prefill engine {id}'s NIXL agent from its advertisement"
 LAZY = "side-channel handshake with engine {id}"  # the plugin's fallback to vLLM's lazy handshake
@@ -232,7 +232,7 @@ async def wait_decode(session: aiohttp.ClientSession, decode: LocalEngine, watch
                 async with session.get(decode.url + "/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
                     if r.status == 200:
                         healthy = time.monotonic()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 pass
         if healthy is not None:
             if not want_prewarm or all(found.values()) or time.monotonic() - healthy > cfg.prewarm_timeout:
@@ -293,7 +293,7 @@ async def run_pair(session: aiohttp.ClientSession, arm: str, i: int, prefill: Lo
         if not r.ok and k == 0 and not cold.ok:
             pair.error = "cold and first warm request failed; the pair's other warm requests were not sent"
             break
-    busy, ours = (b - a for a, b in zip(cpu0, cpu_sample()))
+    busy, ours = (b - a for a, b in zip(cpu0, cpu_sample(), strict=True))
     pair.foreign_cpu_cores = round(max(0.0, busy - ours) / (time.monotonic() - t0), 2)
     warm_ok = [w["ttft_ms"] for w in pair.warm if w["ok"]]
     pair.warm_ttft_p50_ms = round(quantile(warm_ok, 0.5), 1) if warm_ok else None
@@ -319,7 +319,7 @@ async def warm_prefill(session: aiohttp.ClientSession, prefill: LocalEngine, cfg
                                     timeout=aiohttp.ClientTimeout(total=cfg.timeout)) as r:
                 await r.read()
                 out.append({"status": r.status, "ms": ms(time.monotonic() - t)})
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             out.append({"status": None, "error": repr(e)[:200]})
     return out
 
@@ -532,7 +532,8 @@ async def main_async(args: argparse.Namespace) -> dict:
                       ("cold_over_warm_p50", "cold_over_warm_p50_ci90", "median_of_pair_ratios",
                        "median_of_pair_ratios_ci90", "cold_ttft_p50_ms", "cold_ttft_mean_ms", "warm_ttft_p50_ms",
                        "warm_ttft_mean_ms", "cold_minus_warm_p50_ms", "pairs_measured", "failures")}
-                | ({"skipped": r["skipped"]} if r.get("skipped") else {}) | ({"error": r["error"]} if r.get("error") else {})
+                | ({"skipped": r["skipped"]} if r.get("skipped") else {})
+                | ({"error": r["error"]} if r.get("error") else {})
                 for arm, r in results.items()}
     goal = (results.get("plugin") or {}).get("summary", {}).get("cold_over_warm_p50")
     return {

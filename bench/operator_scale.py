@@ -68,7 +68,8 @@ async def observe(kubeconfig: Path, created: dict[tuple[str, str], float], n: in
     done = asyncio.Event()
 
     async def watch_children(kind):
-        async for op, obj in client.watch(kind, namespace="*", labels={"app.kubernetes.io/managed-by": "disagg-operator"}):
+        managed = {"app.kubernetes.io/managed-by": "disagg-operator"}
+        async for op, obj in client.watch(kind, namespace="*", labels=managed):
             key = (obj.metadata.namespace, obj.metadata.labels.get("app.kubernetes.io/instance"))
             if op == "ADDED":
                 children.setdefault(key, set()).add((kind.__name__, obj.metadata.name))
@@ -171,9 +172,9 @@ def main() -> None:
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{health}/healthz", timeout=1)
                 break
-            except OSError:
+            except OSError as e:
                 if time.monotonic() > deadline or operator.poll() is not None:
-                    raise SystemExit(f"operator did not start; see {op_log}")
+                    raise SystemExit(f"operator did not start; see {op_log}") from e
                 time.sleep(0.2)
         startup_requests = sum(audit_counts(cluster.audit_log, "disagg-operator").values())
 

@@ -9,9 +9,9 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
 
 import aiohttp
 
@@ -137,7 +137,7 @@ async def one(session: aiohttp.ClientSession, send: Sender, req_idx: int, prompt
     try:
         await asyncio.wait_for(send(session, completion_body(prompt, max_tokens), res), timeout)
         res.ok = True
-    except asyncio.TimeoutError:
+    except TimeoutError:
         res.error = f"timeout after {timeout:g}s"
     except Exception as e:  # noqa: BLE001 - every failure is counted, none may end the run
         res.error = f"{type(e).__name__}: {e}"[:300]

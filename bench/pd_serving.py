@@ -60,6 +60,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+from pd_client import (
+    ALPHABET,
+    LAYOUT,
+    Result,
+    Sender,
+    advertisement,
+    cpu_sample,
+    direct_pull,
+    direct_push,
+    dist,
+    ms,
+    one,
+    quantile,
+    via,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.connector.wire.advertisement import EngineAdvertisement
@@ -68,9 +83,6 @@ from disagg.devcluster.build import cache_dir
 from disagg.devcluster.cluster import free_port
 from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, install_plugin
 from disagg.devcluster.procs import DisaggService, HttpChild
-
-from pd_client import (ALPHABET, LAYOUT, Result, Sender, advertisement, cpu_sample, direct_pull, direct_push, dist,
-                       ms, one, quantile, via)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -583,7 +595,8 @@ async def stub_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[Ar
         if f"stub-direct-{mode}" in wanted:
             send = (direct_push(prefill.url, decode.url, prefill.advertisement("push")) if mode == "push"
                     else direct_pull(prefill.url, decode.url))
-            arms.append(Arm(f"stub-direct-{mode}", f"this client, both legs itself ({mode} protocol), stub engines", send))
+            arms.append(Arm(f"stub-direct-{mode}", f"this client, both legs itself ({mode} protocol), stub engines",
+                            send))
         if f"stub-router-{mode}" in wanted:
             url = ph.router(f"stub-router-{mode}", mode, "concurrent", ["--engines-file", str(path)], cfg.timeout)
             arms.append(Arm(f"stub-router-{mode}", f"disagg router --mode {mode}, stub engines", via(url),
@@ -712,7 +725,8 @@ def headline(arms: dict[str, ArmResult]) -> dict:
             if a and b:
                 diffs[cell] = {k: round(a["ttft"][f"{k}_ms"] - b["ttft"][f"{k}_ms"], 2) for k in ("p50", "p99")}
         out[label] = diffs or None
-    out["failures"] = {name: {"failed": sum(c["failed"] for c in a.cells), "timeouts": sum(c["timeouts"] for c in a.cells),
+    out["failures"] = {name: {"failed": sum(c["failed"] for c in a.cells),
+                              "timeouts": sum(c["timeouts"] for c in a.cells),
                               "sent": sum(c["sent"] for c in a.cells),
                               "warmup_failed": sum(1 for w in a.warmup if not w["ok"]), "skipped": a.skipped}
                        for name, a in arms.items()}
@@ -769,7 +783,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     engine_options = dict(parse_option(o) for o in args.engine_option)
     spec_fields = sorted(f.name for f in dataclasses.fields(EngineSpec))
     if set(engine_options) - set(spec_fields):
-        raise SystemExit(f"--engine-option {sorted(set(engine_options) - set(spec_fields))}: EngineSpec has {spec_fields}")
+        unknown_options = sorted(set(engine_options) - set(spec_fields))
+        raise SystemExit(f"--engine-option {unknown_options}: EngineSpec has {spec_fields}")
     stub_cfg = dataclasses.replace(cfg, cells=parse_cells(args.stub_cells), requests=args.stub_requests, gap=0.2)
     plugin_dir = None if args.no_plugin else install_plugin(logs / "plugin")
     log(f"connector plugin: {plugin_dir or 'off (--no-plugin): vLLM connector alone, static engines file'}")
@@ -831,7 +846,8 @@ def reanalyze(result: dict) -> dict:
     for a in arms.values():
         n = cfg.get("stub_requests_per_cell", 0) if a.phase == "stub" else cfg["requests_per_cell"]
         for c in a.cells:
-            c.setdefault("arrival_span_s", workload(Cell(c["prompt_tokens"], c["rate_rps"]), n, cfg["seed"])[-1].arrival)
+            last = workload(Cell(c["prompt_tokens"], c["rate_rps"]), n, cfg["seed"])[-1]
+            c.setdefault("arrival_span_s", last.arrival)
     result["arms"] = {k: asdict(v) for k, v in arms.items()}
     result["headline"], result["table"] = headline(arms), table(arms)
     result["definitions"] = DEFINITIONS

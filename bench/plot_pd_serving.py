@@ -31,7 +31,7 @@ def main(src: str, dst: str) -> None:
               ("handoff", "p99_ms", "handoff p99 (ms)", real, cells),
               ("ttft", "p50_ms", "router overhead: TTFT p50 (ms) on stub engines", stub, stub_cells)]
     fig, axes = plt.subplots(2, 3, figsize=(20, 10))
-    for ax, (metric, key, title, arms, cells) in zip(axes.flat, panels):
+    for ax, (metric, key, title, arms, cells) in zip(axes.flat, panels, strict=True):
         width = 0.8 / max(len(arms), 1)
         for i, (arm, data) in enumerate(arms.items()):
             by_cell = {c["cell"]: c for c in data["cells"]}
@@ -47,7 +47,7 @@ def main(src: str, dst: str) -> None:
                 ys.append(v)
                 failed.append(c["failed"])
             bars = ax.bar(xs, ys, width, label=arm, color=COLORS.get(arm))
-            for bar, f in zip(bars, failed):
+            for bar, f in zip(bars, failed, strict=True):
                 if f:
                     ax.annotate(f"{f} fail", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                                 va="bottom", fontsize=7, color="red", rotation=90)
@@ -58,7 +58,8 @@ def main(src: str, dst: str) -> None:
                 if spans:
                     ax.hlines(result["config"]["requests_per_cell"] / spans[0], j - 0.45, j + 0.45, colors="black",
                               linestyles="dashed", linewidth=1, label="zero-latency server" if j == 0 else None)
-            ax.legend([h for h, lab in zip(*ax.get_legend_handles_labels()) if lab == "zero-latency server"],
+            handles, labels = ax.get_legend_handles_labels()
+            ax.legend([h for h, lab in zip(handles, labels, strict=True) if lab == "zero-latency server"],
                       ["zero-latency server"], fontsize=8, loc="upper right")
         ax.set_xticks(range(len(cells)), cells)
         ax.set_title(title)
