@@ -60,7 +60,7 @@ def _control_plane(keep: bool, engines_while_up: bool = False) -> None:
     _say("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok")
     c = LocalCluster(ClusterConfig(name="demo"))
     c.start(progress=lambda m: print(f"    {m}", flush=True))
-    operator: subprocess.Popen | None = None
+    operator: subprocess.Popen[bytes] | None = None
     try:
         _kubectl(c, "version")
         _say("simulated nodes: instance type, zone, GPUs, Neuron devices and EFA devices as allocatable")
