@@ -137,6 +137,13 @@ class LocalCluster:
         progress(f"cluster {self.config.name} up in {time.monotonic() - t0:.1f}s; KUBECONFIG={self.kubeconfig}")
         return self
 
+    def wait(self) -> None:
+        """Block until the first component (etcd) exits: a cluster run in the foreground until Ctrl-C."""
+        popen = self.processes[0].popen if self.processes else None
+        if popen is None:
+            raise RuntimeError(f"cluster {self.config.name} is not started")
+        popen.wait()
+
     def stop(self) -> None:
         for p in reversed(self.processes):
             p.stop()

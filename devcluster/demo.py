@@ -96,7 +96,7 @@ def _control_plane(keep: bool, engines_while_up: bool = False) -> None:
             if engines_while_up:
                 demo_engines.run()
             print(f"\nexport KUBECONFIG={c.kubeconfig}\nThe cluster stays up; Ctrl-C stops it.", flush=True)
-            c.processes[0].popen.wait()  # type: ignore[union-attr]
+            c.wait()
     finally:
         if operator is not None and operator.poll() is None:
             os.killpg(operator.pid, signal.SIGTERM)
