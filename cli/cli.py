@@ -18,7 +18,7 @@ def _cluster(args: argparse.Namespace) -> None:
     c.start(progress=lambda m: print(m, flush=True))
     print(f"export KUBECONFIG={c.kubeconfig}\nCtrl-C stops the cluster.", flush=True)
     try:
-        c.processes[0].popen.wait()  # type: ignore[union-attr]
+        c.wait()
     except KeyboardInterrupt:
         pass
     finally:

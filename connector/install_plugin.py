@@ -84,7 +84,7 @@ def _remove_leftovers(parent: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def install(target: str | os.PathLike, source: Path = SOURCE) -> tuple[Path, int, bool]:
+def install(target: str | os.PathLike[str], source: Path = SOURCE) -> tuple[Path, int, bool]:
     """Install into `target`/disagg/connector. Returns (that directory, files, whether anything changed).
 
     Raises InstallError (never a bare OSError) naming the directory when it cannot be written."""

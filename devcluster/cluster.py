@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Self
 
 import yaml
 from lightkube import Client, KubeConfig, codecs
@@ -47,7 +47,8 @@ class ComponentFailed(RuntimeError):
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def die_with_parent() -> None:
@@ -61,11 +62,11 @@ class Process:
     name: str
     argv: list[str]
     log: Path
-    popen: subprocess.Popen | None = None
+    popen: subprocess.Popen[bytes] | None = None
     env: dict[str, str] | None = None  # None: this process's environment
     cwd: str | None = None
 
-    def start(self) -> Process:
+    def start(self) -> Self:
         with self.log.open("ab") as out:
             self.popen = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env=self.env, cwd=self.cwd, start_new_session=True,
@@ -136,6 +137,13 @@ class LocalCluster:
         progress(f"cluster {self.config.name} up in {time.monotonic() - t0:.1f}s; KUBECONFIG={self.kubeconfig}")
         return self
 
+    def wait(self) -> None:
+        """Block until the first component (etcd) exits: a cluster run in the foreground until Ctrl-C."""
+        popen = self.processes[0].popen if self.processes else None
+        if popen is None:
+            raise RuntimeError(f"cluster {self.config.name} is not started")
+        popen.wait()
+
     def stop(self) -> None:
         for p in reversed(self.processes):
             p.stop()
@@ -144,7 +152,7 @@ class LocalCluster:
     def __enter__(self) -> "LocalCluster":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     @property
@@ -174,7 +182,7 @@ class LocalCluster:
             delay = min(delay * 1.5, 0.5)
         raise ComponentFailed(proc.name, f"not {what} after {self.config.startup_timeout:.0f}s", proc.log)
 
-    def _start_etcd(self, progress) -> None:
+    def _start_etcd(self, progress: Callable[[str], None]) -> None:
         client, peer = self.config.etcd_port or free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{client}"
         progress(f"starting etcd on {self.etcd_url}")
@@ -199,9 +207,10 @@ class LocalCluster:
         ctx = tls
         if ctx is None and url.startswith("https"):
             ctx = ssl._create_unverified_context()  # components' self-signed health endpoints
-        return urllib.request.urlopen(req, timeout=2, context=ctx).read()
+        body: bytes = urllib.request.urlopen(req, timeout=2, context=ctx).read()
+        return body
 
-    def _start_apiserver(self, progress) -> None:
+    def _start_apiserver(self, progress: Callable[[str], None]) -> None:
         assert self.creds is not None
         port = free_port()
         self.server = f"https://127.0.0.1:{port}"
@@ -255,7 +264,7 @@ class LocalCluster:
     def _write_kubeconfig(self) -> None:
         self.kubeconfig_for("admin")
 
-    def _start_controllers(self, progress) -> None:
+    def _start_controllers(self, progress: Callable[[str], None]) -> None:
         assert self.creds is not None
         kc = str(self.kubeconfig)
         kcm_port, sched_port, kwok_port = free_port(), free_port(), free_port()
@@ -283,13 +292,14 @@ class LocalCluster:
         self._await(sched, lambda: self._get(f"https://127.0.0.1:{sched_port}/healthz") == b"ok", "healthy")
         self._await(kwok, lambda: self._get(f"http://127.0.0.1:{kwok_port}/healthz") == b"ok", "healthy")
         # Pods need the `default` ServiceAccount, which the controller-manager creates asynchronously.
+        creds = self.creds  # narrowed to Credentials for the lambda
         self._await(kcm, lambda: bool(self._get(f"{self.server}/api/v1/namespaces/default/serviceaccounts/default",
-                                                self.creds.admin_token, self._tls())), "serving ServiceAccounts")
+                                                creds.admin_token, self._tls())), "serving ServiceAccounts")
 
     def client(self) -> Client:
         return Client(KubeConfig.from_file(self.kubeconfig))
 
-    def _create_fleet(self, progress) -> None:
+    def _create_fleet(self, progress: Callable[[str], None]) -> None:
         nodes = build_nodes(self.config.fleet)
         progress(f"creating {len(nodes)} simulated nodes")
         client = self.client()
@@ -298,9 +308,12 @@ class LocalCluster:
         kwok = next(p for p in self.processes if p.name == "kwok")
 
         def schedulable(n: Node) -> bool:
-            # Ready, and the node-lifecycle controller has lifted the not-ready taint it puts on new nodes.
-            return any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or [])) and \
-                not any(t.key.startswith("node.kubernetes.io/") for t in (n.spec.taints or []))
+            # Ready, and the node-lifecycle controller has lifted the not-ready taint it puts on new nodes. (A node
+            # read back without status or spec is not ready yet.)
+            conditions = (n.status.conditions if n.status is not None else None) or []
+            taints = (n.spec.taints if n.spec is not None else None) or []
+            return any(c.type == "Ready" and c.status == "True" for c in conditions) and \
+                not any(t.key.startswith("node.kubernetes.io/") for t in taints)
 
         def all_ready() -> bool:
             return sum(1 for n in client.list(Node) if schedulable(n)) == len(nodes)

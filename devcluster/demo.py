@@ -60,7 +60,7 @@ def _control_plane(keep: bool, engines_while_up: bool = False) -> None:
     _say("starting etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok")
     c = LocalCluster(ClusterConfig(name="demo"))
     c.start(progress=lambda m: print(f"    {m}", flush=True))
-    operator: subprocess.Popen | None = None
+    operator: subprocess.Popen[bytes] | None = None
     try:
         _kubectl(c, "version")
         _say("simulated nodes: instance type, zone, GPUs, Neuron devices and EFA devices as allocatable")
@@ -96,7 +96,7 @@ def _control_plane(keep: bool, engines_while_up: bool = False) -> None:
             if engines_while_up:
                 demo_engines.run()
             print(f"\nexport KUBECONFIG={c.kubeconfig}\nThe cluster stays up; Ctrl-C stops it.", flush=True)
-            c.processes[0].popen.wait()  # type: ignore[union-attr]
+            c.wait()
     finally:
         if operator is not None and operator.poll() is None:
             os.killpg(operator.pid, signal.SIGTERM)

@@ -19,8 +19,9 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,6 +35,8 @@ PROMPT = "Disaggregated serving runs the prompt on a prefill engine and streams 
 MAX_TOKENS = 16
 RENDEZVOUS = LocalRendezvous(token="demo-token", deployment="demo", heartbeat=2)
 PREWARM_WAIT = 30.0
+
+T = TypeVar("T")
 
 
 class DemoFailed(RuntimeError):
@@ -103,7 +106,7 @@ def comparison(results: Iterable[Result]) -> str:
 
 
 # -- processes -----------------------------------------------------------------------------------------------
-def _poll(what: str, probe: Callable[[], object], timeout: float, alive: Callable[[], None] = lambda: None):
+def _poll(what: str, probe: Callable[[], T | None], timeout: float, alive: Callable[[], None] = lambda: None) -> T:
     """Poll another process's state until `probe` returns something truthy (there is no event to await)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -131,7 +134,8 @@ def _logged(engine: LocalEngine, needle: str) -> str | None:
     return next((line for line in text[text.rfind("=== start "):].splitlines() if needle in line), None)
 
 
-def stream(url: str, body: dict, on_text: Callable[[str], None], timeout: float = 60) -> tuple[str, float, float, dict]:
+def stream(url: str, body: dict[str, object], on_text: Callable[[str], None],
+           timeout: float = 60) -> tuple[str, float, float, dict[str, str]]:
     """POST a streamed completion; call `on_text` per chunk. Returns (text, ttft, total, response headers)."""
     req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -200,7 +204,7 @@ def _serve_one(mode: str, python: Path, model: Path, plugin_dir: Path, rendezvou
         for engine, peer in waits:
             try:
                 needle = f"pre-warmed {peer.spec.role} engine {peer.spec.engine_id}"
-                line = _poll("", lambda e=engine, n=needle: _logged(e, n), PREWARM_WAIT)
+                line = _poll("", partial(_logged, engine, needle), PREWARM_WAIT)
                 _note(f"{engine.spec.role} pre-warmed its NIXL connection to {peer.spec.role}"
                       f"{' in ' + line.rsplit(' in ', 1)[1] if ' in ' in line else ''}")
             except DemoFailed:

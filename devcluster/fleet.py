@@ -6,6 +6,7 @@ cluster. kwok adopts every node carrying the `kwok.x-k8s.io/node: fake` annotati
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 KWOK_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 REGION = "us-west-2"
@@ -99,7 +100,8 @@ def _network_layers(global_index: int, zone_index: int) -> dict[str, str]:
     }
 
 
-def build_node(t: InstanceType, i: int, zone_index: int, global_index: int, efa_override: int | None = None) -> dict:
+def build_node(t: InstanceType, i: int, zone_index: int, global_index: int,
+               efa_override: int | None = None) -> dict[str, Any]:
     name = _node_name(t, i)
     resources: dict[str, str] = {"cpu": str(t.cpu), "memory": t.memory, "pods": str(t.pods),
                                  "ephemeral-storage": "1Ti"}
@@ -150,9 +152,9 @@ def build_node(t: InstanceType, i: int, zone_index: int, global_index: int, efa_
     }
 
 
-def build_nodes(spec: FleetSpec) -> list[dict]:
+def build_nodes(spec: FleetSpec) -> list[dict[str, Any]]:
     """Nodes alternate between the two zones per type, so each zone has a share of every accelerator."""
-    nodes: list[dict] = []
+    nodes: list[dict[str, Any]] = []
     short_left = spec.short_efa_p5en
     for type_name, count in spec.counts.items():
         t = CATALOG[type_name]

@@ -11,6 +11,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 from cryptography.x509.oid import NameOID
 
 # The first address of the service CIDR, which the apiserver's own `kubernetes` Service gets.
@@ -62,7 +63,7 @@ class Credentials:
         return self.token("admin")
 
 
-def _write_key(path: Path, key) -> None:
+def _write_key(path: Path, key: PrivateKeyTypes) -> None:
     path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption()))
     path.chmod(0o600)
@@ -91,8 +92,9 @@ def ensure_credentials(directory: Path) -> Credentials:
     creds.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
 
     srv_key = ec.generate_private_key(ec.SECP256R1())
-    sans = [x509.DNSName(n) for n in ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-                                      "kubernetes.default.svc.cluster.local")]
+    sans: list[x509.GeneralName] = [
+        x509.DNSName(n) for n in ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                                  "kubernetes.default.svc.cluster.local")]
     sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", KUBERNETES_SERVICE_IP)]
     srv_cert = (
         x509.CertificateBuilder()

@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+from types import FrameType
+from typing import NoReturn
 
 
 def main(argv: list[str]) -> int:
@@ -21,7 +23,7 @@ def main(argv: list[str]) -> int:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     child = subprocess.Popen(argv, start_new_session=True)
 
-    def stop(signum, _frame):
+    def stop(signum: int, _frame: FrameType | None) -> NoReturn:
         try:
             os.killpg(child.pid, signal.SIGTERM)
             child.wait(15)

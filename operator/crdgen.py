@@ -47,11 +47,11 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         rest = {k: v for k, v in node.items() if k != "anyOf"}
         if node.get("x-kubernetes-int-or-string") or _is_int_or_string(variants):
             # Structural schemas allow int-or-string only as the bare extension: no type, no enum (CEL checks).
-            out = {k: v for k, v in rest.items() if k not in _DROP and not (k == "default" and v is None)}
-            out["x-kubernetes-int-or-string"] = True
-            if "description" in out:
-                out["description"] = _one_line(out["description"])
-            return out
+            bare = {k: v for k, v in rest.items() if k not in _DROP and not (k == "default" and v is None)}
+            bare["x-kubernetes-int-or-string"] = True
+            if "description" in bare:
+                bare["description"] = _one_line(bare["description"])
+            return bare
         if len(variants) == 1:
             return _structural({**variants[0], **rest}, defs)
         raise ValueError(f"cannot express anyOf in a structural schema: {node}")
@@ -109,14 +109,15 @@ def _apply_defaults(schema: dict[str, Any], model: type[api.Model]) -> None:
             continue
         node = sub.get("items", sub)
         _apply_defaults(node, inner)
-        if field.default_factory is inner:
+        built_by_default = field.default_factory is inner  # (a bool: `is` would narrow `inner` to the factory's type)
+        if built_by_default:
             sub["default"] = _compact(inner().dump())
 
 
 def openapi_schema() -> dict[str, Any]:
     raw = api.DisaggregatedInference.model_json_schema(by_alias=True, mode="validation")
-    schema = _structural(raw, raw.get("$defs", {}))
-    schema = json.loads(json.dumps(schema))  # no shared nodes: defaults are written per place
+    structural = _structural(raw, raw.get("$defs", {}))
+    schema: dict[str, Any] = json.loads(json.dumps(structural))  # no shared nodes: defaults are written per place
     _apply_defaults(schema, api.DisaggregatedInference)
     props = schema["properties"]
     props["apiVersion"] = {"type": "string", "description": props["apiVersion"]["description"]}
@@ -130,8 +131,13 @@ def openapi_schema() -> dict[str, Any]:
     return schema
 
 
+def _column(name: str, path: str, typ: str = "string", **extra: Any) -> dict[str, Any]:
+    """One additionalPrinterColumns entry."""
+    return {"name": name, "type": typ, "jsonPath": path, **extra}
+
+
 def crd() -> dict[str, Any]:
-    col = lambda name, path, typ="string", **kw: {"name": name, "type": typ, "jsonPath": path, **kw}  # noqa: E731
+    col = _column
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

@@ -27,13 +27,13 @@ def deep_merge(base: Any, overlay: Any) -> Any:
                 out[key] = copy.deepcopy(value)
         return out
     if isinstance(base, list) and isinstance(overlay, list) and _named(base) and _named(overlay):
-        out = copy.deepcopy(base)
-        index = {item["name"]: i for i, item in enumerate(out)}
+        items = copy.deepcopy(base)
+        index = {item["name"]: i for i, item in enumerate(items)}
         for item in overlay:
             if item["name"] in index:
-                out[index[item["name"]]] = deep_merge(out[index[item["name"]]], item)
+                items[index[item["name"]]] = deep_merge(items[index[item["name"]]], item)
             else:
-                index[item["name"]] = len(out)
-                out.append(copy.deepcopy(item))
-        return out
+                index[item["name"]] = len(items)
+                items.append(copy.deepcopy(item))
+        return items
     return copy.deepcopy(overlay)

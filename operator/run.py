@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import random
+from typing import Any
 
 from .names import rendezvous_url
 
@@ -72,7 +73,7 @@ def main(args: argparse.Namespace) -> None:
     images = OperatorImages(operator=args.operator_image) if args.operator_image else OperatorImages()
 
     @kopf.on.startup()
-    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         # Keep kopf's bookkeeping in annotations under our prefix, never in .status (which we own).
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="serving.disagg.io")
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -90,7 +91,7 @@ def main(args: argparse.Namespace) -> None:
         memo.transport_poll = asyncio.create_task(handlers.poll_transports_forever(memo, args.transport_poll_seconds))
 
     @kopf.on.cleanup()
-    async def close(memo: kopf.Memo, **_) -> None:
+    async def close(memo: kopf.Memo, **_: Any) -> None:
         memo.resync.cancel()
         memo.transport_poll.cancel()
         await memo.transports.close()
@@ -119,7 +120,8 @@ def ensure_peering_objects(name: str, namespaces: list[str]) -> None:
     create_global_resource(peering.GROUP, peering.VERSION, "ClusterKopfPeering", "clusterkopfpeerings")
     create_namespaced_resource(peering.GROUP, peering.VERSION, "KopfPeering", "kopfpeerings")
     client = Client(KubeConfig.from_env())
-    for ns in namespaces or [None]:
+    targets: list[str | None] = [*namespaces] if namespaces else [None]  # None: the cluster-wide peering
+    for ns in targets:
         try:
             client.create(codecs.from_dict(peering.peering_object(name, ns)))
         except ApiError as e:

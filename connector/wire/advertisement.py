@@ -16,7 +16,7 @@ import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 Role = Literal["prefill", "decode"]
@@ -57,6 +57,12 @@ def check_engine_id(value: str) -> str:
         raise ValueError(f"engine_id {value!r} may only contain letters, digits, '.', '_' and '-', starting with "
                          "a letter or digit")
     return value
+
+
+def _field_name(info: ValidationInfo) -> str:
+    """The validated field's name (pydantic sets it for every field validator; None only in model validators)."""
+    assert info.field_name is not None
+    return info.field_name
 
 
 class WireModel(BaseModel):
@@ -114,13 +120,13 @@ class EngineAdvertisement(WireModel):
 
     @field_validator("deployment", "layout_key")
     @classmethod
-    def _names(cls, v: str, info) -> str:
-        return _check_token(v, info.field_name)
+    def _names(cls, v: str, info: ValidationInfo) -> str:
+        return _check_token(v, _field_name(info))
 
     @field_validator("pod_name", "pod_uid", "transport")
     @classmethod
-    def _optional_names(cls, v: str | None, info) -> str | None:
-        return None if v is None else _check_token(v, info.field_name)
+    def _optional_names(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return None if v is None else _check_token(v, _field_name(info))
 
     @field_validator("side_channel_host")
     @classmethod
