@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from ..wire.env import ROLES
 from ..wire.advertisement import (EngineAdvertisement, EngineList, ErrorResponse, RegisterResponse, WatchEvent,
                             check_engine_id)
-from ..wire import env as wire_env
+from ..wire import env as wire_env, strict_json
 from .auth import Authenticator, KubernetesAuth, NoAuth, TokenAuth, lightkube_reviewer
 from .errors import HttpError, forbidden
 from .registry import Conflict, NotFound, Registration, Registry, RegistryFull
@@ -45,6 +45,7 @@ log = logging.getLogger("disagg.rendezvous")
 DEFAULT_PORT = wire_env.RENDEZVOUS_PORT
 DEFAULT_HEARTBEAT = wire_env.DEFAULT_HEARTBEAT_SECONDS
 MAX_BODY = 8 * 1024 * 1024  # a 4 MiB kv_metadata blob, JSON-escaped, plus the rest
+MAX_DEPTH = 64  # of an advertisement, kv_metadata included (the plugin's kv_metadata nests 3 levels)
 AUDIENCE_ENV = "DISAGG_RENDEZVOUS_AUDIENCE"
 SA_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 EPOCH_HEADER = "X-Disagg-Epoch"
@@ -89,10 +90,8 @@ def _loc(loc: tuple[Any, ...]) -> str:
 
 def parse_advertisement(body: bytes) -> EngineAdvertisement:
     try:
-        data = json.loads(body)
-    except RecursionError:
-        raise HttpError(400, "invalid_json", "invalid JSON: nested too deeply") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        data = strict_json.loads(body, max_depth=MAX_DEPTH)
+    except strict_json.InvalidJson as e:
         raise HttpError(400, "invalid_json", f"invalid JSON: {e}") from None
     if not isinstance(data, dict):
         raise HttpError(422, "invalid_body", f"body must be a JSON object (an EngineAdvertisement), got "

@@ -33,6 +33,8 @@ log = logging.getLogger("disagg.router")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PREFILL_HEADER, DECODE_HEADER = "X-Disagg-Prefill-Engine", "X-Disagg-Decode-Engine"
 """Response headers naming the engines that served a request (with X-Request-Id, the id both legs carried)."""
+MAX_BODY = 16 << 20
+"""The largest request body the router reads (a long prompt as token ids fits many times over)."""
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -100,12 +102,12 @@ class Router:
         try:
             async with self.session.post(f"{engine.http_url}{path}", json=body, headers={"X-Request-Id": rid},
                                          timeout=self._timeout()) as r:
-                text = await r.text()
+                text = (await r.read()).decode("utf-8", errors="replace")
                 if r.status != 200:
                     raise UpstreamFailed(role, engine.engine_id, "status", f"HTTP {r.status}: {text[:300]}",
                                          r.status, _json_or_text(text))
                 return json.loads(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # ValueError: not JSON
             raise UpstreamFailed(role, engine.engine_id, type(e).__name__, str(e) or "timeout") from e
 
     async def _open_decode(self, engine: EngineAdvertisement, path: str, body: dict, rid: str,
@@ -118,7 +120,10 @@ class Router:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise UpstreamFailed("decode", engine.engine_id, type(e).__name__, str(e) or "timeout") from e
         if resp.status != 200:
-            text = await resp.text()
+            try:
+                text = (await resp.read()).decode("utf-8", errors="replace")
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                text = f"(body unreadable: {type(e).__name__})"
             resp.release()
             raise UpstreamFailed("decode", engine.engine_id, "status", f"HTTP {resp.status}: {text[:300]}",
                                  resp.status, _json_or_text(text))
@@ -127,11 +132,9 @@ class Router:
     # -- one request -------------------------------------------------------------------------------------
     async def serve(self, request: web.Request, endpoint: pd.Endpoint) -> web.StreamResponse:
         try:
-            body = pd.validate_client_body(endpoint, await request.json())
-        except json.JSONDecodeError as e:
-            return self._error(endpoint, 400, f"invalid JSON: {e}")
+            body = pd.validate_client_body(endpoint, pd.parse_client_json(await _read_body(request)))
         except pd.BadRequest as e:
-            return self._error(endpoint, 400, str(e))
+            return self._error(endpoint, e.status, str(e))
         tried: set[str] = set()
         last: UpstreamFailed | None = None
         for attempt in range(2):
@@ -239,20 +242,27 @@ class Router:
 
     def _error(self, endpoint: str, status: int, message: str) -> web.Response:
         self.m.requests.labels(mode=self.s.mode, endpoint=endpoint, status=str(status)).inc()
-        kind = "invalid_request_error" if status < 500 else "upstream_error"
-        return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+        return error_response(status, message)
 
     # -- the app -----------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.serve(request, "completions")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.serve(request, "chat")
+
     async def models(self, _request: web.Request) -> web.Response:
         assert self.session is not None
         for engine in self.pool.healthy("decode"):
             try:
                 async with self.session.get(f"{engine.http_url}/v1/models", timeout=self._timeout()) as r:
                     if r.status == 200:
-                        return web.json_response(await r.json())
+                        return web.json_response(json.loads(await r.read()))
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 self.pool.mark_down(engine.engine_id)
-        return web.json_response({"error": {"message": "no healthy decode engine", "code": 503}}, status=503)
+            except ValueError:  # not JSON (or not UTF-8): ask the next engine
+                log.warning("engine %s answered /v1/models with something other than JSON", engine.engine_id)
+        return error_response(503, "no healthy decode engine")
 
     async def health(self, _request: web.Request) -> web.Response:
         pair = self.pool.choose()
@@ -266,9 +276,9 @@ class Router:
         return web.Response(body=generate_latest(self.m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=16 << 20)
-        app.router.add_post("/v1/completions", lambda r: self.serve(r, "completions"))
-        app.router.add_post("/v1/chat/completions", lambda r: self.serve(r, "chat"))
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[_errors])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
@@ -289,6 +299,52 @@ class Router:
         yield
         probe.cancel()
         await self.session.close()
+
+
+def error_response(status: int, message: str) -> web.Response:
+    """An OpenAI-style error: every 4xx and 5xx of the router has this body."""
+    kind = "invalid_request_error" if status < 500 else "upstream_error" if status in (502, 503, 504) else \
+        "internal_error"
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The raw body of a JSON request, refused early when it cannot be one (BadRequest with 413 or 415)."""
+    content_type = request.headers.get("Content-Type", "")
+    if content_type.strip() and not (request.content_type == "application/json"
+                                     or request.content_type.endswith("+json")):
+        raise pd.BadRequest(f"Content-Type must be application/json, got {content_type[:100]!r}", 415)
+    too_large = f"request body is larger than {MAX_BODY} bytes"
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise pd.BadRequest(too_large, 413)  # said by the header: refused before reading any of it
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise pd.BadRequest(too_large, 413) from None
+
+
+_REASONS = {404: "no such endpoint", 405: "method not allowed here"}
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own refusals (unknown path, wrong method, oversized body) in the OpenAI error format, and a
+    crash as a logged 500 in that format too, never a stack trace."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = f"{_REASONS.get(e.status, e.reason)}: {request.method} {request.path[:200]}"
+        resp = error_response(e.status, message)
+        if "Allow" in e.headers:
+            resp.headers["Allow"] = e.headers["Allow"]
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return error_response(500, "internal error (see the router log)")
 
 
 def _json_or_text(text: str) -> Any:

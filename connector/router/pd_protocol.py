@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Literal
 
+from ..wire import strict_json
 from ..wire.advertisement import EngineAdvertisement
 
 Endpoint = Literal["completions", "chat"]
@@ -21,12 +22,36 @@ ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
 
 
 class BadRequest(ValueError):
-    """The client's request cannot be served; the message is returned with a 400."""
+    """The client's request cannot be served; the message is returned with `status` (400 unless said)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_client_json(raw: bytes) -> Any:
+    """A client body as strict JSON (`wire.strict_json`: UTF-8, no NaN or Infinity, not absurdly deep, Unicode
+    strings); BadRequest otherwise. Whatever cannot be decoded here must not reach an engine."""
+    try:
+        return strict_json.loads(raw)
+    except strict_json.InvalidJson as e:
+        raise BadRequest(f"invalid JSON: {e}") from None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
 def validate_client_body(endpoint: Endpoint, body: Any) -> dict[str, Any]:
+    """Refuse what the router cannot split into two legs, and what one engine would accept and the other refuse:
+    in push mode a decode leg refused after prefill started leaves vLLM 0.32's push state wedged."""
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise BadRequest(f"request body must be a JSON object, got {_json_type(body)}")
     for key in ROUTER_ONLY_FIELDS:
         if key in body:
             # Forwarding client-made transfer params lets anyone crash or wedge an engine.
@@ -35,23 +60,43 @@ def validate_client_body(endpoint: Endpoint, body: Any) -> dict[str, Any]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt and
-                                                             all(isinstance(t, int) for t in prompt)):
+        if not (isinstance(prompt, str) and prompt) and not _token_ids(prompt):
             raise BadRequest("'prompt' must be one non-empty string or one list of token ids "
                              "(batched prompts are not supported by the disaggregated router)")
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("'messages' must be a non-empty list")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                raise BadRequest(f"'messages[{i}]' must be an object, got {_json_type(message)}")
     n = body.get("n", 1)
-    if n != 1:
+    if not (isinstance(n, int) and not isinstance(n, bool) and n == 1):
         raise BadRequest("'n' must be 1")
     for key in ("max_tokens", "max_completion_tokens"):
-        if key in body and body[key] is not None and (not isinstance(body[key], int) or body[key] < 1):
+        if body.get(key) is not None and not _positive_int(body[key]):
             raise BadRequest(f"'{key}' must be a positive integer")
-    if "stream" in body and not isinstance(body["stream"], bool):
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean")
+    if body.get("stream_options") is not None:
+        if not isinstance(body["stream_options"], dict):
+            raise BadRequest("'stream_options' must be an object")
+        if body["stream_options"] and body.get("stream") is not True:
+            # vLLM refuses this, and only the decode leg carries stream_options.
+            raise BadRequest("'stream_options' is only allowed with 'stream': true")
     return body
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def internal_request_id(endpoint: Endpoint, request_id: str) -> str:
@@ -66,6 +111,7 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
         out.pop("max_completion_tokens", None)
     out["stream"] = False
     out.pop("stream_options", None)
+    out.pop("min_tokens", None)  # vLLM refuses min_tokens above max_tokens, and prefill makes one token
     out["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
     return out

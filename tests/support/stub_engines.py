@@ -1,0 +1,189 @@
+"""Stand-ins for vLLM prefill and decode engines, served in process on 127.0.0.1 (real HTTP, no model).
+
+They are not engines: they compute nothing and only speak the part of vLLM's HTTP API the router uses
+(`/health`, `/v1/models`, `/v1/completions`, `/v1/chat/completions`), like bench/stub_engine.py, plus what the
+router's own logic needs to be observed: every leg they received (its `X-Request-Id` and body), every leg
+whose connection the router closed before the answer (`cancelled`), and failure switches. A shared `KvBoard`
+stands in for the KV handoff: a prefill stand-in posts its request there when it answers, and a decode
+stand-in waits for it before its first token, as a push-mode decode waits for prefill's WRITE.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from disagg.connector.router import pd_protocol as pd
+from disagg.connector.wire.advertisement import EngineAdvertisement
+from support.rendezvous import advert
+
+PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+class KvBoard:
+    """Which requests' KV a prefill stand-in has "written" (by vLLM's internal request id, as decode names it)."""
+
+    def __init__(self) -> None:
+        self.ready: set[str] = set()
+        self._changed = asyncio.Condition()
+
+    async def post(self, internal_id: str) -> None:
+        async with self._changed:
+            self.ready.add(internal_id)
+            self._changed.notify_all()
+
+    async def wait(self, internal_id: str) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: internal_id in self.ready)
+
+
+@dataclass
+class Leg:
+    request_id: str
+    path: str
+    body: Any
+
+    @property
+    def params(self) -> dict[str, Any]:
+        p = self.body.get("kv_transfer_params") if isinstance(self.body, dict) else None
+        return p if isinstance(p, dict) else {}
+
+
+class StubEngine:
+    """One stand-in engine. `fail_status`: answer prefill legs with this HTTP status (after `hold(request_id)`
+    returns, if set). `board`: decode legs wait for their KV there; without one they answer at once."""
+
+    def __init__(self, engine_id: str, role: str, *, mode: str = "push", board: KvBoard | None = None,
+                 max_model_len: int = 8192, layout_key: str | None = None, block_size: int = 16) -> None:
+        self.engine_id, self.role, self.mode, self.board = engine_id, role, mode, board
+        self.max_model_len, self.layout_key, self.block_size = max_model_len, layout_key, block_size
+        self.fail_status: int | None = None
+        self.hold: Callable[[str], Awaitable[None]] | None = None
+        self.legs: list[Leg] = []
+        self.cancelled: list[str] = []
+        self.url: str | None = None
+        self._runner: web.AppRunner | None = None
+        self._changed = asyncio.Condition()
+
+    # -- what the router sees --
+    def advertisement(self) -> EngineAdvertisement:
+        assert self.url is not None, "start() first"
+        extra = {"layout_key": self.layout_key} if self.layout_key else {}
+        return advert(self.engine_id, role=self.role, kv_mode=self.mode, http_url=self.url,
+                      block_size=self.block_size, **extra)
+
+    async def start(self) -> str:
+        app = web.Application(client_max_size=64 << 20)
+        for path in PATHS:
+            app.router.add_post(path, self._generate)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        # Cancel a handler when the router closes its connection: that is how the router aborts a leg.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- what tests await --
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+        async with asyncio.timeout(timeout), self._changed:
+            await self._changed.wait_for(predicate)
+
+    def received(self, request_id: str) -> bool:
+        return any(leg.request_id == request_id for leg in self.legs)
+
+    async def _note(self, fn: Callable[[], None]) -> None:
+        async with self._changed:
+            fn()
+            self._changed.notify_all()
+
+    # -- the API --
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model",
+                                                              "max_model_len": self.max_model_len}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id", "")
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return web.json_response({"error": {"message": "not JSON", "code": 400}}, status=400)
+        leg = Leg(rid, request.path, body)
+        await self._note(lambda: self.legs.append(leg))
+        try:
+            if leg.params.get("do_remote_decode"):
+                return await self._prefill(leg)
+            return await self._decode(request, leg)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._note(lambda: self.cancelled.append(rid)))
+            raise
+
+    async def _prefill(self, leg: Leg) -> web.Response:
+        internal = pd.internal_request_id(PATHS[leg.path], leg.request_id)
+        if self.hold is not None:
+            await self.hold(leg.request_id)
+        if self.fail_status is not None:
+            return web.json_response({"error": {"message": f"stand-in {self.engine_id} fails", "code":
+                                                self.fail_status}}, status=self.fail_status)
+        if self.board is not None:
+            await self.board.post(internal)
+        return web.json_response({
+            "id": internal, "object": "text_completion", "model": "tiny",
+            "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
+            "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                                   "remote_request_id": internal, "remote_engine_id": self.engine_id,
+                                   "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 5600,
+                                   "tp_size": 1}})
+
+    async def _decode(self, request: web.Request, leg: Leg) -> web.StreamResponse:
+        waits_for = leg.params.get("remote_request_id")
+        if self.board is not None and isinstance(waits_for, str):
+            await self.board.wait(waits_for)  # the KV handoff: prefill's WRITE (push) or READ (pull)
+        text = ["b", "c"]
+        if not (isinstance(leg.body, dict) and leg.body.get("stream") is True):
+            return web.json_response({"id": leg.request_id, "object": "text_completion", "model": "tiny",
+                                      "choices": [{"index": 0, "text": "".join(text), "finish_reason": "length"}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for t in text:
+            await out.write(b"data: " + json.dumps({"choices": [{"index": 0, "text": t}]}).encode() + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+@contextlib.asynccontextmanager
+async def stub_engines(*engines: StubEngine) -> AsyncIterator[tuple[StubEngine, ...]]:
+    try:
+        for e in engines:
+            await e.start()
+        yield engines
+    finally:
+        for e in engines:
+            await e.stop()
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """Serve an aiohttp app (the router) on a free port of 127.0.0.1; its base URL."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
