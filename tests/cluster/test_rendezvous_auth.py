@@ -3,6 +3,7 @@ TokenRequest API, verified by the rendezvous with TokenReviews; first as the tes
 ServiceAccount the operator creates and binds for a deployment's rendezvous."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -21,7 +22,7 @@ from disagg.operator.names import rendezvous_binding_name
 from support.dinf import Dinf, create, is_ready, small
 from support.kube import token_kubeconfig, watch_until
 from support.operator import OperatorProcess
-from support.rendezvous import advert_json, run_async
+from support.rendezvous import advert_json
 from support.tools import can_i
 
 pytestmark = pytest.mark.cluster
@@ -46,7 +47,7 @@ def _token(cluster, namespace: str, pod: Pod | None, audience: str | None = DEFA
     return req.status.token
 
 
-def test_pod_bound_tokens_are_verified_with_token_reviews(cluster, namespace):
+async def test_pod_bound_tokens_are_verified_with_token_reviews(cluster, namespace):
     cluster.client.create(ServiceAccount(metadata=ObjectMeta(name=SA, namespace=namespace)))
     prefill = _pod(cluster, namespace, f"{DEPLOYMENT}-prefill-0")
     decode = _pod(cluster, namespace, f"{DEPLOYMENT}-decode-0")
@@ -66,7 +67,6 @@ def test_pod_bound_tokens_are_verified_with_token_reviews(cluster, namespace):
         return advert_json(f"{pod.metadata.name}-{pod.metadata.uid}", role=role, deployment=DEPLOYMENT,
                            **{"pod_name": pod.metadata.name, "pod_uid": pod.metadata.uid, **over})
 
-    @run_async(60)
     async def scenario():
         server = build_server(args)
         url = await server.start("127.0.0.1", 0)
@@ -115,7 +115,8 @@ def test_pod_bound_tokens_are_verified_with_token_reviews(cluster, namespace):
         finally:
             await server.stop()
 
-    scenario()
+    async with asyncio.timeout(60):
+        await scenario()
 
 
 # -- end to end: the identity the operator gives a deployment's rendezvous ----------------------------------
@@ -149,16 +150,18 @@ def _await_allowed(kubeconfig, *args: str, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-def test_the_operators_binding_lets_the_rendezvous_verify_its_engines_tokens(cluster, operator, namespace,
-                                                                              tmp_path):
+async def test_the_operators_binding_lets_the_rendezvous_verify_its_engines_tokens(cluster, operator, namespace,
+                                                                                    tmp_path):
     """A rendezvous runs here as the ServiceAccount the operator made for deployment alpha (a TokenRequest token,
     as its pod would have), in `--auth kubernetes` mode. Tokens of alpha's engine pods register; a token of
     deployment beta's engine pod is refused with 403. The same rendezvous as a ServiceAccount without the
     operator's binding cannot verify anything (503): the binding is what makes it work."""
     alpha, beta = (create(cluster, namespace, small(n)) for n in ("alpha", "beta"))
-    for name in (alpha, beta):
-        watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60, what="Ready")
-    watch_until(cluster, ClusterRoleBinding, rendezvous_binding_name(namespace, alpha), lambda b: True, timeout=30)
+    for name in (alpha, beta):  # watch_until runs its own event loop: in a thread, beside this test's
+        await asyncio.to_thread(watch_until, cluster, Dinf, name, is_ready, namespace=namespace, timeout=60,
+                                what="Ready")
+    await asyncio.to_thread(watch_until, cluster, ClusterRoleBinding, rendezvous_binding_name(namespace, alpha),
+                            lambda b: True, timeout=30)
     pods = {p: cluster.client.get(Pod, p, namespace=namespace)
             for p in (f"{alpha}-prefill-0", f"{alpha}-decode-0", f"{beta}-decode-0")}
     tokens = {p: _engine_token(cluster, pod) for p, pod in pods.items()}
@@ -180,7 +183,6 @@ def test_the_operators_binding_lets_the_rendezvous_verify_its_engines_tokens(clu
         return advert_json(f"{pod_name}-{pod.metadata.uid}", role=role, deployment=alpha, pod_name=pod_name,
                            pod_uid=pod.metadata.uid)
 
-    @run_async(60)
     async def scenario():
         servers = {"alpha": server_as(as_alpha), "unbound": server_as(as_unbound)}
         urls = {k: await s.start("127.0.0.1", 0) for k, s in servers.items()}
@@ -206,4 +208,5 @@ def test_the_operators_binding_lets_the_rendezvous_verify_its_engines_tokens(clu
             for s in servers.values():
                 await s.stop()
 
-    scenario()
+    async with asyncio.timeout(60):
+        await scenario()

@@ -1,9 +1,8 @@
-"""Helpers for rendezvous tests: valid advertisements, a manual clock, running async tests without plugins."""
+"""Helpers for rendezvous tests: valid advertisements, a manual clock, awaiting watch events, scoped tasks."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 from typing import Any, AsyncIterator
 
 from disagg.connector.wire.advertisement import EngineAdvertisement, WatchEvent
@@ -34,19 +33,6 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.t += seconds
-
-
-def run_async(timeout: float = 20.0):
-    """Decorator: run an async test function with asyncio.run, failing if it takes longer than `timeout`."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def runner(*args, **kwargs):
-            async def bounded():
-                async with asyncio.timeout(timeout):
-                    return await fn(*args, **kwargs)
-            return asyncio.run(bounded())
-        return runner
-    return wrap
 
 
 async def next_event(events: AsyncIterator[WatchEvent], *, skip: tuple[str, ...] = ("BOOKMARK",),

@@ -13,10 +13,11 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from disagg.connector.rendezvous.auth import TokenAuth
 from disagg.connector.rendezvous.server import RendezvousServer
 from disagg.connector.rendezvous.client import RendezvousClient
-from support.rendezvous import run_async
 
 CHILD = textwrap.dedent('''
     import sys, time
@@ -43,7 +44,7 @@ async def _await(predicate, timeout: float = 10) -> None:
         await asyncio.sleep(0.05)  # another process's state: nothing to await but polling
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_registers_with_handshake_metadata_and_deregisters_on_sigterm():
     server = RendezvousServer(auth=TokenAuth("tok"), heartbeat_seconds=0.2, expire_interval=0.02)
     url = await server.start("127.0.0.1", 0)

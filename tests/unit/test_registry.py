@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from disagg.connector.rendezvous.registry import Conflict, NotFound, Registry, RegistryFull
-from support.rendezvous import ManualClock, advert, run_async
+from support.rendezvous import ManualClock, advert
 
 
 def registry(**kw) -> tuple[Registry, ManualClock]:
@@ -154,7 +154,7 @@ def test_registry_limit():
     assert r.register(advert("b", tp_size=2)).result == "modified"  # existing engines still update
 
 
-@run_async(5)
+@pytest.mark.timeout(5)
 async def test_wait_wakes_on_change_times_out_and_closes():
     r, _ = registry()
     assert await r.wait(0, timeout=0.01) is False

@@ -21,7 +21,7 @@ from disagg.connector.rendezvous.registry import Registry
 from disagg.connector.rendezvous.auth import KubernetesAuth, NoAuth, TokenAuth
 from disagg.connector.rendezvous.server import RendezvousServer
 from disagg.connector.rendezvous.client import (EngineCache, EngineRegistration, RendezvousClient, RendezvousError)
-from support.rendezvous import advert, advert_json, next_event, run_async, task
+from support.rendezvous import advert, advert_json, next_event, task
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -67,7 +67,7 @@ async def watch_lines(url: str, params: str = "") -> AsyncIterator[dict[str, Any
                 yield json.loads(line)
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_register_renew_list_get_deregister():
     async with serving() as (server, client):
         a = advert("qwen-prefill-0-a")
@@ -97,7 +97,7 @@ async def test_register_renew_list_get_deregister():
         assert health["status"] == "ok" and health["engines"] == 1 and health["auth"] == "token"
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_watch_delivers_added_then_expired_within_a_heartbeat():
     async with serving(heartbeat_seconds=0.2) as (server, client):
         events = client.watch()
@@ -116,7 +116,7 @@ async def test_watch_delivers_added_then_expired_within_a_heartbeat():
         await events.aclose()
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_watch_resumes_from_since_and_snapshots_when_too_old():
     async with serving(log_size=2) as (server, client):
         epoch = server.registry.epoch
@@ -138,7 +138,7 @@ async def test_watch_resumes_from_since_and_snapshots_when_too_old():
             await lines.aclose()
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_bookmarks_keep_an_idle_stream_alive():
     async with serving(heartbeat_seconds=0.1, warmup_seconds=0.25) as (server, _):
         lines = watch_lines(server.url)
@@ -152,7 +152,7 @@ async def test_bookmarks_keep_an_idle_stream_alive():
         await lines.aclose()
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_token_auth():
     async with serving(deployment="qwen") as (server, client):
         url = f"{server.url}/v1/engines/e1"
@@ -178,7 +178,7 @@ async def test_token_auth():
         await anonymous.close()
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_no_auth_must_be_chosen_explicitly():
     with pytest.raises(TypeError):
         RendezvousServer()  # type: ignore[call-arg]  # no default authenticator
@@ -242,7 +242,7 @@ def _malformed_cases(big: int) -> list[tuple[str, str, Any, int, str, str]]:
     ]
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_malformed_input_gets_4xx_with_a_message_and_loses_nothing():
     async with serving(max_body=64 * 1024) as (server, client):
         kept = advert("keep", pod_uid="uid-1")
@@ -267,7 +267,7 @@ async def test_malformed_input_gets_4xx_with_a_message_and_loses_nothing():
         assert m[("disagg_rendezvous_rejected_requests_total", (("reason", "too_large"),))] == 1
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_metrics():
     async with serving(heartbeat_seconds=0.2) as (server, client):
         async def scrape() -> dict:
@@ -300,7 +300,7 @@ async def test_metrics():
                 await asyncio.sleep(0.05)
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_restart_on_the_same_port_the_cache_keeps_serving_and_rebuilds():
     """Soft state: a restarted rendezvous starts empty. The client's watch reconnects and resumes; the cache
     keeps every engine while the new instance warms up, takes the re-registrations, and then drops the
@@ -340,7 +340,7 @@ async def test_restart_on_the_same_port_the_cache_keeps_serving_and_rebuilds():
         await watcher.close()
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_watch_detects_a_silent_server_and_resumes_where_it_was():
     """A server that stops sending lines (no bookmarks) is dead after ~3 heartbeats: the client reconnects
     and asks to resume from the last version it delivered."""
@@ -372,7 +372,7 @@ async def test_watch_detects_a_silent_server_and_resumes_where_it_was():
     srv.close()
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_registration_never_raises_and_recovers():
     # Nothing listens on this port yet: failures are recorded, not raised.
     sock = socket.socket()
@@ -401,7 +401,7 @@ async def test_registration_never_raises_and_recovers():
     await reg.client.close()
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_a_rendezvous_that_accepts_but_does_not_answer_costs_one_short_attempt():
     """A restarting rendezvous can accept connections before it serves. One attempt must not hold the registration
     for the client's whole timeout (here 30 s): it gives up after half a heartbeat and retries with backoff, so
@@ -436,7 +436,7 @@ async def test_a_rendezvous_that_accepts_but_does_not_answer_costs_one_short_att
     await reg.client.close()
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_registration_sends_changes_and_renews_cheaply():
     async with serving() as (server, client):
         state = {"adv": advert("d1", role="decode")}
@@ -452,7 +452,7 @@ async def test_registration_sends_changes_and_renews_cheaply():
         assert m[("disagg_rendezvous_renewals_total", ())] == 1  # via POST .../renew
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_registration_in_a_thread_for_synchronous_callers():
     async with serving() as (server, _):
         reg = EngineRegistration(None, advert("threaded"), heartbeat_seconds=0.05,
@@ -474,7 +474,7 @@ def _review(user: str, pod: str | None, uid: str | None = "uid-1", *, authentica
             "user": {"username": user, "extra": extra}}
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_kubernetes_auth_decisions_and_cache():
     sa = "system:serviceaccount:ml:default"
     reviews = {
@@ -548,7 +548,8 @@ def test_command_refuses_incomplete_auth_settings():
     assert out.returncode != 0 and "--auth kubernetes needs the deployment" in out.stderr
 
 
-def test_command_serves():
+@pytest.mark.timeout(60)
+async def test_command_serves():
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -558,21 +559,18 @@ def test_command_serves():
                              "--heartbeat-seconds", "1", "--deployment", "qwen"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        @run_async(30)
-        async def scenario():
-            client = RendezvousClient(f"http://127.0.0.1:{port}", token=TOKEN, timeout=1)
-            async with asyncio.timeout(25):
-                while True:
-                    try:
-                        health = await client.health()
-                        break
-                    except aiohttp.ClientError:
-                        assert proc.poll() is None, proc.stdout.read()
-                        await asyncio.sleep(0.1)
-            assert health["auth"] == "token" and health["warming"] is True
-            assert (await client.register(advert("e1"))).result == "created"
-            await client.close()
-        scenario()
+        client = RendezvousClient(f"http://127.0.0.1:{port}", token=TOKEN, timeout=1)
+        async with asyncio.timeout(25):
+            while True:
+                try:
+                    health = await client.health()
+                    break
+                except aiohttp.ClientError:
+                    assert proc.poll() is None, proc.stdout.read()
+                    await asyncio.sleep(0.1)  # another process starting: nothing to await but polling
+        assert health["auth"] == "token" and health["warming"] is True
+        assert (await client.register(advert("e1"))).result == "created"
+        await client.close()
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=20)

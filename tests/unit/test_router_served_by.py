@@ -6,11 +6,12 @@ import json
 from typing import AsyncIterator
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from disagg.connector.router.engine_pool import EnginePool
 from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER, Router, Settings
-from support.rendezvous import advert, run_async
+from support.rendezvous import advert
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -45,7 +46,7 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-@run_async()
+@pytest.mark.timeout(20)
 async def test_responses_name_the_prefill_and_decode_engine_and_the_request_id():
     stub = web.Application()
     stub.router.add_post("/v1/completions", _completions)

@@ -16,7 +16,7 @@ from disagg.connector.rendezvous.client import RendezvousClient
 from disagg.operator import names, run
 from disagg.operator.status import EngineTransport, TransportReport
 from disagg.operator.transport import DEFAULT_TEMPLATE, TransportPoller, check_template
-from support.rendezvous import advert, run_async
+from support.rendezvous import advert
 
 TOKEN = "t0ken"
 KEY = ("ml", "qwen")
@@ -66,7 +66,7 @@ def test_default_template_is_the_in_cluster_service():
             check_template(bad)
 
 
-@run_async(30)
+@pytest.mark.timeout(30)
 async def test_reports_this_deployments_engines_and_calls_back_only_on_change():
     changes: list[tuple[str, str]] = []
 
@@ -97,7 +97,7 @@ async def test_reports_this_deployments_engines_and_calls_back_only_on_change():
             await poller.close()
 
 
-@run_async(30)
+@pytest.mark.timeout(30)
 async def test_an_unreachable_rendezvous_is_an_answer_and_never_blocks_the_caller():
     changes: list[tuple[str, str]] = []
 
@@ -134,7 +134,7 @@ async def test_an_unreachable_rendezvous_is_an_answer_and_never_blocks_the_calle
             await hung.close()
 
 
-@run_async(30)
+@pytest.mark.timeout(30)
 async def test_something_else_answering_is_reported_by_status():
     async with rendezvous() as (url, _):
         wrong = TransportPoller(url + "/not-the-rendezvous")
@@ -144,7 +144,7 @@ async def test_something_else_answering_is_reported_by_status():
             await wrong.close()
 
 
-@run_async(30)
+@pytest.mark.timeout(30)
 async def test_forget_drops_a_deleted_deployment():
     async with rendezvous() as (url, _):
         poller = TransportPoller(url)
