@@ -10,11 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from lightkube import Client, KubeConfig
 from lightkube.resources.core_v1 import Namespace
 from lightkube.models.meta_v1 import ObjectMeta
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/support
+
+# Property tests run on every landing, so by default they are reproducible: derandomized (the same examples on
+# every run, from each test's own seed), no example database, no deadline (2 shared cores make timings noise).
+# HYPOTHESIS_PROFILE=explore searches with fresh random examples, ten times as many, and remembers failures.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, max_examples=150, print_blob=True)
+settings.register_profile("explore", deadline=None, max_examples=1500, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @dataclass
