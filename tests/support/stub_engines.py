@@ -55,13 +55,17 @@ class Leg:
 
 class StubEngine:
     """One stand-in engine. `fail_status`: answer prefill legs with this HTTP status (after `hold(request_id)`
-    returns, if set). `board`: decode legs wait for their KV there; without one they answer at once."""
+    returns, if set). `board`: decode legs wait for their KV there; without one they answer at once.
+    `decode_status`: answer decode legs with this status. `health_status`, `health_hangs`: what /health does."""
 
     def __init__(self, engine_id: str, role: str, *, mode: str = "push", board: KvBoard | None = None,
                  max_model_len: int = 8192, layout_key: str | None = None, block_size: int = 16) -> None:
         self.engine_id, self.role, self.mode, self.board = engine_id, role, mode, board
         self.max_model_len, self.layout_key, self.block_size = max_model_len, layout_key, block_size
         self.fail_status: int | None = None
+        self.decode_status = 200
+        self.health_status = 200
+        self.health_hangs = False
         self.hold: Callable[[str], Awaitable[None]] | None = None
         self.legs: list[Leg] = []
         self.cancelled: list[str] = []
@@ -109,7 +113,9 @@ class StubEngine:
 
     # -- the API --
     async def _health(self, _request: web.Request) -> web.Response:
-        return web.Response(text="")
+        if self.health_hangs:
+            await asyncio.Event().wait()  # until the prober gives up and closes the connection
+        return web.Response(status=self.health_status, text="")
 
     async def _models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model",
@@ -153,6 +159,9 @@ class StubEngine:
         waits_for = leg.params.get("remote_request_id")
         if self.board is not None and isinstance(waits_for, str):
             await self.board.wait(waits_for)  # the KV handoff: prefill's WRITE (push) or READ (pull)
+        if self.decode_status != 200:
+            return web.json_response({"error": {"message": f"stand-in {self.engine_id} fails", "code":
+                                                self.decode_status}}, status=self.decode_status)
         text = ["b", "c"]
         if not (isinstance(leg.body, dict) and leg.body.get("stream") is True):
             return web.json_response({"id": leg.request_id, "object": "text_completion", "model": "tiny",

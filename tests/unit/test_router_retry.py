@@ -1,0 +1,130 @@
+"""The router's retry: a failed prefill cancels the decode leg and the request is retried once, on another
+prefill engine. A router on 127.0.0.1 in front of stand-in engines (tests/support/stub_engines.py): the
+decode stand-in waits for its KV on a board the prefill stand-ins post to, as a push-mode decode waits for
+prefill's WRITE, so a decode leg whose prefill failed hangs until the router cancels it."""
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER, Router, Settings
+from disagg.connector.router.engine_pool import EnginePool
+from support.stub_engines import KvBoard, StubEngine, serving, stub_engines
+
+BODY = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+
+
+@contextlib.asynccontextmanager
+async def deployment(mode: str) -> AsyncIterator[tuple[str, Router, StubEngine, StubEngine, StubEngine]]:
+    """Prefill stand-ins p-a and p-b (p-a is chosen first: same load, lower id) and decode stand-in d-1."""
+    board = KvBoard()
+    p_a, p_b = (StubEngine(n, "prefill", mode=mode, board=board) for n in ("p-a", "p-b"))
+    d_1 = StubEngine("d-1", "decode", mode=mode, board=board)
+    async with stub_engines(p_a, p_b, d_1):
+        engines = [p_a.advertisement(), p_b.advertisement(), d_1.advertisement()]
+        router = Router(EnginePool(mode, lambda: engines), Settings(mode=mode))
+        async with serving(router.app()) as url:
+            yield url, router, p_a, p_b, d_1
+
+
+def metric(router: Router, name: str, **labels: str) -> float:
+    return router.m.registry.get_sample_value(name, labels) or 0.0
+
+
+async def post(url: str, stream: bool = False) -> tuple[int, CIMultiDict, bytes]:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={**BODY, "stream": stream}) as r:
+        return r.status, r.headers.copy(), await r.read()  # case-insensitive
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_push_a_failed_prefill_cancels_its_decode_leg_and_is_retried_once_elsewhere(stream):
+    async with deployment("push") as (url, router, p_a, p_b, d_1):
+        p_a.fail_status = 500
+        # p-a fails only once the decode leg it would have fed has reached d-1, so there is a leg to cancel.
+        p_a.hold = lambda rid: d_1.wait_for(lambda: d_1.received(rid))
+        status, headers, body = await post(url, stream)
+        assert status == 200, body
+        assert (headers[PREFILL_HEADER], headers[DECODE_HEADER]) == ("p-b", "d-1")
+        [failed] = p_a.legs
+        [served] = p_b.legs
+        assert headers["X-Request-Id"] == served.request_id != failed.request_id  # a new id for the retry
+        await d_1.wait_for(lambda: failed.request_id in d_1.cancelled)  # the first decode leg, aborted
+        assert [leg.request_id for leg in d_1.legs] == [failed.request_id, served.request_id]
+        assert d_1.cancelled == [failed.request_id]
+        # The decode legs named the prefill engine of their own attempt.
+        assert [leg.params["remote_engine_id"] for leg in d_1.legs] == ["p-a", "p-b"]
+        assert metric(router, "disagg_router_prefill_retries_total") == 1
+        assert metric(router, "disagg_router_upstream_errors_total", role="prefill", kind="status") == 1
+        assert "p-a" not in router.pool.down  # it answered: an error status is no sign of a dead engine
+
+
+@pytest.mark.timeout(30)
+async def test_push_retries_only_once_then_502():
+    async with deployment("push") as (url, router, p_a, p_b, d_1):
+        for p in (p_a, p_b):
+            p.fail_status = 503
+            p.hold = lambda rid: d_1.wait_for(lambda: d_1.received(rid))
+        status, _, body = await post(url)
+        assert status == 502 and b"upstream failure" in body
+        assert (len(p_a.legs), len(p_b.legs), len(d_1.legs)) == (1, 1, 2)
+        await d_1.wait_for(lambda: len(d_1.cancelled) == 2)
+        assert metric(router, "disagg_router_prefill_retries_total") == 1
+        assert metric(router, "disagg_router_requests_total", mode="push", endpoint="completions", status="502") == 1
+
+
+@pytest.mark.timeout(30)
+async def test_push_a_prefill_that_refuses_the_request_is_not_retried():
+    """A 4xx from prefill is the client's fault: the same body would be refused anywhere."""
+    async with deployment("push") as (url, router, p_a, p_b, d_1):
+        p_a.fail_status = 400
+        p_a.hold = lambda rid: d_1.wait_for(lambda: d_1.received(rid))
+        status, _, body = await post(url)
+        assert status == 400 and b"stand-in p-a fails" in body
+        assert (len(p_a.legs), len(p_b.legs)) == (1, 0)
+        await d_1.wait_for(lambda: d_1.cancelled == [p_a.legs[0].request_id])
+        assert metric(router, "disagg_router_prefill_retries_total") == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_dead_prefill_leaves_rotation_and_the_request_is_served_by_another():
+    async with deployment("push") as (url, router, p_a, p_b, d_1):
+        await p_a.stop()  # connection refused from now on
+        status, headers, _ = await post(url)
+        assert status == 200 and headers[PREFILL_HEADER] == "p-b"
+        assert router.pool.down == {"p-a"}
+        status, headers, _ = await post(url)  # the next request does not try p-a at all
+        assert status == 200 and headers[PREFILL_HEADER] == "p-b"
+        assert metric(router, "disagg_router_prefill_retries_total") == 1
+        assert metric(router, "disagg_router_upstream_errors_total", role="prefill", kind="ClientConnectorError") == 1
+
+
+@pytest.mark.timeout(30)
+async def test_pull_sends_decode_only_after_a_good_prefill_with_its_params_unchanged():
+    async with deployment("pull") as (url, router, p_a, p_b, d_1):
+        p_a.fail_status = 500
+        status, headers, _ = await post(url, stream=True)
+        assert status == 200 and (headers[PREFILL_HEADER], headers[DECODE_HEADER]) == ("p-b", "d-1")
+        [leg] = d_1.legs  # nothing was sent to decode for the failed attempt
+        assert leg.request_id == p_b.legs[0].request_id and d_1.cancelled == []
+        assert leg.params == {"do_remote_prefill": True, "do_remote_decode": False,
+                              "remote_request_id": f"cmpl-{leg.request_id}-0", "remote_engine_id": "p-b",
+                              "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 5600,
+                              "tp_size": 1}
+        assert metric(router, "disagg_router_prefill_retries_total") == 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_failed_decode_is_not_retried():
+    """Only a prefill failure is retried: by the time decode fails, prefill's KV went to that decode engine."""
+    async with deployment("push") as (url, router, p_a, p_b, d_1):
+        d_1.board = None
+        d_1.decode_status = 500
+        status, _, body = await post(url)
+        assert status == 502 and b"decode engine d-1" in body
+        assert (len(p_a.legs), len(p_b.legs), len(d_1.legs)) == (1, 0, 1)
+        assert metric(router, "disagg_router_prefill_retries_total") == 0
