@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -211,6 +212,7 @@ class Router:
     async def _relay(self, request: web.Request, endpoint: str, resp: aiohttp.ClientResponse,
                      tl: Timeline, served: dict[str, str]) -> web.StreamResponse:
         mode = self.s.mode
+        out: web.StreamResponse | None = None
         try:
             if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                 raw = await resp.read()
@@ -225,12 +227,28 @@ class Router:
                 if tl.first_token is None and b"data:" in chunk:
                     tl.first_token = time.monotonic()
                     self._observe(tl)
-                await out.write(chunk)
+                try:
+                    await out.write(chunk)
+                except ConnectionResetError:  # the client went away: no one to answer; release() aborts decode
+                    return out
             await out.write_eof()
             self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
             return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise UpstreamFailed("decode", "?", type(e).__name__, str(e) or "timeout") from e
+            failed = UpstreamFailed("decode", served[DECODE_HEADER], type(e).__name__, str(e) or "timeout")
+            if out is None:
+                raise failed from e
+            # The client has the 200 and part of the stream: a second status line would corrupt it. End the
+            # stream with an error event instead (as OpenAI's API does), then its proper end.
+            self.m.upstream_errors.labels(role="decode", kind=failed.kind).inc()
+            self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
+            log.warning("%s (mid-stream)", failed)
+            error = {"error": {"message": f"upstream failure mid-stream: {failed}", "type": "upstream_error",
+                               "code": 502}}
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+                await out.write_eof()
+            return out
         finally:
             resp.release()
 

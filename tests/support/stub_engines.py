@@ -56,7 +56,8 @@ class Leg:
 class StubEngine:
     """One stand-in engine. `fail_status`: answer prefill legs with this HTTP status (after `hold(request_id)`
     returns, if set). `board`: decode legs wait for their KV there; without one they answer at once.
-    `decode_status`: answer decode legs with this status. `health_status`, `health_hangs`: what /health does."""
+    `decode_status`: answer decode legs with this status; `decode_dies_after`: stream this many chunks, then drop
+    the connection. `health_status`, `health_hangs`: what /health does."""
 
     def __init__(self, engine_id: str, role: str, *, mode: str = "push", board: KvBoard | None = None,
                  max_model_len: int = 8192, layout_key: str | None = None, block_size: int = 16) -> None:
@@ -64,6 +65,7 @@ class StubEngine:
         self.max_model_len, self.layout_key, self.block_size = max_model_len, layout_key, block_size
         self.fail_status: int | None = None
         self.decode_status = 200
+        self.decode_dies_after: int | None = None
         self.health_status = 200
         self.health_hangs = False
         self.hold: Callable[[str], Awaitable[None]] | None = None
@@ -168,7 +170,11 @@ class StubEngine:
                                       "choices": [{"index": 0, "text": "".join(text), "finish_reason": "length"}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for t in text:
+        for i, t in enumerate(text):
+            if i == self.decode_dies_after:
+                assert request.transport is not None
+                request.transport.abort()  # the engine dies mid-stream
+                return out
             await out.write(b"data: " + json.dumps({"choices": [{"index": 0, "text": t}]}).encode() + b"\n\n")
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()

@@ -5,6 +5,7 @@ prefill's WRITE, so a decode leg whose prefill failed hangs until the router can
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import AsyncIterator
 
 import aiohttp
@@ -127,4 +128,21 @@ async def test_a_failed_decode_is_not_retried():
         status, _, body = await post(url)
         assert status == 502 and b"decode engine d-1" in body
         assert (len(p_a.legs), len(p_b.legs), len(d_1.legs)) == (1, 0, 1)
+        assert metric(router, "disagg_router_prefill_retries_total") == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_decode_that_dies_mid_stream_ends_the_stream_with_an_error_event():
+    """The client already has the 200 and the first tokens: the router cannot send another status. It ends the
+    stream with an OpenAI-style error event and a proper end (before: a second status line inside the chunked
+    body, which clients reject as a protocol error)."""
+    async with deployment("push") as (url, router, p_a, p_b, d_1):
+        d_1.decode_dies_after = 1
+        status, headers, body = await post(url, stream=True)
+        assert status == 200 and headers[DECODE_HEADER] == "d-1"
+        events = [json.loads(line.removeprefix(b"data: ")) for line in body.split(b"\n\n") if line]
+        assert events[0]["choices"][0]["text"] == "b"
+        assert events[1]["error"]["code"] == 502 and "decode engine d-1" in events[1]["error"]["message"]
+        assert len(events) == 2
+        assert metric(router, "disagg_router_upstream_errors_total", role="decode", kind="ClientPayloadError") == 1
         assert metric(router, "disagg_router_prefill_retries_total") == 0
