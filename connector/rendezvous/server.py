@@ -249,6 +249,9 @@ class RendezvousServer:
     async def put_engine(self, request: web.Request) -> web.Response:
         engine_id = self._path_id(request)
         identity = await self.auth.authenticate(request)
+        if request.content_length is not None and request.content_length > self.max_body:
+            # Said by the header: refused before reading, or the read would wait for bytes that never come.
+            raise HttpError(413, "too_large", f"request body is larger than client_max_size ({self.max_body} bytes)")
         adv = parse_advertisement(await request.read())
         if adv.engine_id != engine_id:
             raise HttpError(400, "id_mismatch", f"path engine id {engine_id!r} differs from the body's engine_id "

@@ -268,6 +268,20 @@ async def test_malformed_input_gets_4xx_with_a_message_and_loses_nothing():
 
 
 @pytest.mark.timeout(20)
+async def test_a_huge_content_length_is_refused_at_once():
+    """Content-Length says 1 TB, 2 bytes follow: a 413 at once (reading first would wait for the rest forever)."""
+    async with serving() as (server, _):
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"PUT /v1/engines/e1 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                     "Content-Length: 1000000000000\r\n\r\n{}".encode())
+        async with asyncio.timeout(5):
+            assert await reader.readline() == b"HTTP/1.1 413 Request Entity Too Large\r\n"
+        writer.close()
+        assert len(server.registry) == 0
+
+
+@pytest.mark.timeout(20)
 async def test_metrics():
     async with serving(heartbeat_seconds=0.2) as (server, client):
         async def scrape() -> dict:
