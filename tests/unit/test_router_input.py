@@ -12,8 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from disagg.connector.router.app import Router, Settings
-MAX_BODY = 16 << 20
+from disagg.connector.router.app import MAX_BODY, Router, Settings
 from disagg.connector.router.engine_pool import EnginePool
 from support.stub_engines import StubEngine, serving, stub_engines
 
@@ -134,7 +133,7 @@ async def test_get_routes_ignore_bodies_and_odd_queries_and_other_methods_are_40
                     await _check_error(resp, 405, "method not allowed")
         async with s.get(url + "/v1/completions") as resp:
             assert resp.status == 405 and resp.headers["Allow"] == "POST"
-            await _check_error(resp, 405, f"GET /v1/completions")
+            await _check_error(resp, 405, "GET /v1/completions")
 
 
 async def _raw_request(url: str, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
