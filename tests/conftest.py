@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 from lightkube import Client, KubeConfig
-from lightkube.resources.core_v1 import Namespace
 from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Namespace
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/support
 

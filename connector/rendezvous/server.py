@@ -21,21 +21,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import ValidationError
 
+from ..wire import env as wire_env
+from ..wire import strict_json
+from ..wire.advertisement import (
+    EngineAdvertisement,
+    EngineList,
+    ErrorResponse,
+    RegisterResponse,
+    WatchEvent,
+    check_engine_id,
+)
 from ..wire.env import ROLES
-from ..wire.advertisement import (EngineAdvertisement, EngineList, ErrorResponse, RegisterResponse, WatchEvent,
-                            check_engine_id)
-from ..wire import env as wire_env, strict_json
 from .auth import Authenticator, KubernetesAuth, NoAuth, TokenAuth, lightkube_reviewer
 from .errors import HttpError, forbidden
 from .registry import Conflict, NotFound, Registration, Registry, RegistryFull

@@ -22,12 +22,13 @@ from typing import Any
 import aiohttp
 import yaml
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import TypeAdapter, ValidationError
 
-from . import pd_protocol as pd
 from ..wire.advertisement import EngineAdvertisement
+from . import pd_protocol as pd
 from .engine_pool import EnginePool
 
 log = logging.getLogger("disagg.router")
@@ -108,7 +109,7 @@ class Router:
                     raise UpstreamFailed(role, engine.engine_id, "status", f"HTTP {r.status}: {text[:300]}",
                                          r.status, _json_or_text(text))
                 return json.loads(text)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # ValueError: not JSON
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:  # ValueError: not JSON
             raise UpstreamFailed(role, engine.engine_id, type(e).__name__, str(e) or "timeout") from e
 
     async def _open_decode(self, engine: EngineAdvertisement, path: str, body: dict, rid: str,
@@ -118,12 +119,12 @@ class Router:
         try:
             resp = await self.session.post(f"{engine.http_url}{path}", json=body, headers={"X-Request-Id": rid},
                                            timeout=self._timeout(), trace_request_ctx=trace)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             raise UpstreamFailed("decode", engine.engine_id, type(e).__name__, str(e) or "timeout") from e
         if resp.status != 200:
             try:
                 text = (await resp.read()).decode("utf-8", errors="replace")
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 text = f"(body unreadable: {type(e).__name__})"
             resp.release()
             raise UpstreamFailed("decode", engine.engine_id, "status", f"HTTP {resp.status}: {text[:300]}",
@@ -180,17 +181,19 @@ class Router:
         prefill_task: asyncio.Task | None = None
         decode_task: asyncio.Task | None = None
         try:
-            prefill_task = asyncio.create_task(self._post_json("prefill", prefill, path, pd.prefill_body(endpoint, body),
-                                                               rid))
+            prefill_task = asyncio.create_task(
+                self._post_json("prefill", prefill, path, pd.prefill_body(endpoint, body), rid))
             if self.s.mode == "pull" or self.s.dispatch == "sequential":
                 pre = await prefill_task
                 tl.prefill_done = time.monotonic()
                 params = pd.pull_decode_params(pre) if self.s.mode == "pull" else \
                     pd.push_decode_params(endpoint, rid, prefill, self.s.transfer_id)
-                decode_task = asyncio.create_task(self._open_decode(decode, path, pd.decode_body(body, params), rid, tl))
+                decode_task = asyncio.create_task(
+                    self._open_decode(decode, path, pd.decode_body(body, params), rid, tl))
             else:
                 params = pd.push_decode_params(endpoint, rid, prefill, self.s.transfer_id)
-                decode_task = asyncio.create_task(self._open_decode(decode, path, pd.decode_body(body, params), rid, tl))
+                decode_task = asyncio.create_task(
+                    self._open_decode(decode, path, pd.decode_body(body, params), rid, tl))
                 # A failed prefill means decode would wait for KV that never comes: cancel it, never let it hang.
                 await prefill_task
                 tl.prefill_done = time.monotonic()
@@ -234,7 +237,7 @@ class Router:
             await out.write_eof()
             self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
             return out
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             failed = UpstreamFailed("decode", served[DECODE_HEADER], type(e).__name__, str(e) or "timeout")
             if out is None:
                 raise failed from e
@@ -276,7 +279,7 @@ class Router:
                 async with self.session.get(f"{engine.http_url}/v1/models", timeout=self._timeout()) as r:
                     if r.status == 200:
                         return web.json_response(json.loads(await r.read()))
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError):
                 self.pool.mark_down(engine.engine_id)
             except ValueError:  # not JSON (or not UTF-8): ask the next engine
                 log.warning("engine %s answered /v1/models with something other than JSON", engine.engine_id)
@@ -345,7 +348,7 @@ _REASONS = {404: "no such endpoint", 405: "method not allowed here"}
 
 
 @web.middleware
-async def _errors(request: web.Request, handler) -> web.StreamResponse:
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """aiohttp's own refusals (unknown path, wrong method, oversized body) in the OpenAI error format, and a
     crash as a logged 500 in that format too, never a stack trace."""
     try:
@@ -391,7 +394,7 @@ def build(args: argparse.Namespace) -> tuple[Router, list]:
         try:
             static = load_static(args.engines_file)
         except (OSError, ValidationError, yaml.YAMLError) as e:
-            raise SystemExit(f"--engines-file {args.engines_file}: {e}")
+            raise SystemExit(f"--engines-file {args.engines_file}: {e}") from None
         source = lambda: static  # noqa: E731
     else:
         from ..rendezvous.client import EngineCache, RendezvousClient

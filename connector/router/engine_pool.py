@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import aiohttp
 
@@ -61,7 +61,7 @@ class EnginePool:
         engines = self.engines()
         results = await asyncio.gather(*(self._probe(session, e) for e in engines))
         down = set()
-        for engine, result in zip(engines, results):
+        for engine, result in zip(engines, results, strict=True):
             eid = engine.engine_id
             self.timeouts[eid] = self.timeouts[eid] + 1 if result == "slow" else 0
             if result == "dead" or self.timeouts[eid] >= self.slow_strikes:
@@ -81,7 +81,7 @@ class EnginePool:
                         if isinstance(cards[0].get("max_model_len"), int):
                             self.max_model_len[engine.engine_id] = cards[0]["max_model_len"]
             return "ok"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return "slow"
         except aiohttp.ClientError:
             return "dead"

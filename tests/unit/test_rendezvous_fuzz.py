@@ -17,7 +17,8 @@ from urllib.parse import quote
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from yarl import URL
 
 from disagg.connector.rendezvous.auth import KubernetesAuth, TokenAuth

@@ -17,7 +17,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from yarl import URL
 
 from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER, Router, Settings
