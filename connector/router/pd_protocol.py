@@ -19,6 +19,8 @@ from ..wire.advertisement import EngineAdvertisement
 
 Endpoint = Literal["completions", "chat"]
 ROUTER_ONLY_FIELDS = ("kv_transfer_params",)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""vLLM's (and OpenAI's) max_tokens of a completions request that does not say."""
 
 
 class BadRequest(ValueError):
@@ -76,6 +78,18 @@ def validate_client_body(endpoint: Endpoint, body: Any) -> dict[str, Any]:
     for key in ("max_tokens", "max_completion_tokens"):
         if body.get(key) is not None and not _positive_int(body[key]):
             raise BadRequest(f"'{key}' must be a positive integer")
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        # Only the decode leg carries it (prefill makes one token), so only decode would refuse a bad one.
+        if not (isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens >= 0):
+            raise BadRequest("'min_tokens' must be a non-negative integer")
+        # vLLM 0.32's limit: chat's max_completion_tokens, else max_tokens; completions' max_tokens, 16 if absent.
+        if endpoint == "chat":
+            limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        else:
+            limit = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        if isinstance(limit, int) and min_tokens > limit:
+            raise BadRequest(f"'min_tokens' ({min_tokens}) must not exceed the maximum tokens ({limit})")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be a boolean")
     if body.get("stream_options") is not None:

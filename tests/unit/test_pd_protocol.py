@@ -108,6 +108,11 @@ MSG = [{"role": "user", "content": "x"}]
     ("completions", {"prompt": "x", "stream": False, "stream_options": {}}),
     ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}),
     ("completions", {"prompt": "x", "max_tokens": 10**30}),  # the model's limit is the router's to check
+    ("completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 4}),
+    ("completions", {"prompt": "x", "min_tokens": 0}),
+    ("completions", {"prompt": "x", "min_tokens": 16}),  # max_tokens defaults to 16
+    ("completions", {"prompt": "x", "min_tokens": 50, "max_tokens": None}),  # None: up to the model's length
+    ("chat", {"messages": MSG, "min_tokens": 50}),  # no maximum given: the engine's default is the model's length
     ("chat", {"messages": MSG, "max_completion_tokens": 3, "tools": [{"type": "function"}]}),
 ])
 def test_accepted(endpoint, body):
@@ -147,6 +152,14 @@ def test_accepted(endpoint, body):
     ("completions", {"prompt": "x", "stream": True, "stream_options": "usage"}, "'stream_options' must be an object"),
     ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "only allowed with 'stream': true"),
     ("chat", {"messages": MSG, "stream": False, "stream_options": {"include_usage": True}}, "only allowed with"),
+    # min_tokens rides only on the decode leg: what vLLM would refuse there is refused here.
+    ("completions", {"prompt": "x", "min_tokens": -1}, "'min_tokens' must be a non-negative integer"),
+    ("completions", {"prompt": "x", "min_tokens": False}, "'min_tokens' must be a non-negative integer"),
+    ("completions", {"prompt": "x", "min_tokens": "2"}, "'min_tokens' must be a non-negative integer"),
+    ("completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "must not exceed the maximum tokens \\(4\\)"),
+    ("chat", {"messages": MSG, "max_completion_tokens": 3, "max_tokens": 9, "min_tokens": 4}, "maximum tokens \\(3\\)"),
+    ("chat", {"messages": MSG, "max_tokens": 2, "min_tokens": 4}, "maximum tokens \\(2\\)"),
+    ("completions", {"prompt": "x", "min_tokens": 17}, "maximum tokens \\(16\\)"),
 ])
 def test_refused(endpoint, body, words):
     with pytest.raises(pd.BadRequest, match=words.replace("[", r"\[").replace("]", r"\]")) as e:
