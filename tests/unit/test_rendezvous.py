@@ -278,6 +278,7 @@ async def test_a_huge_content_length_is_refused_at_once():
         async with asyncio.timeout(5):
             assert await reader.readline() == b"HTTP/1.1 413 Request Entity Too Large\r\n"
         writer.close()
+        await writer.wait_closed()
         assert len(server.registry) == 0
 
 

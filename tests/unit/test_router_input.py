@@ -152,6 +152,7 @@ async def _raw_request(url: str, head: bytes, body: bytes = b"") -> tuple[int, b
         return int(status_line.split()[1]), data
     finally:
         writer.close()
+        await writer.wait_closed()
 
 
 async def test_a_huge_content_length_is_refused_before_the_body_is_read(router_url):
