@@ -8,9 +8,11 @@ engine on a saturated host is not dropped for being slow. A successful probe bri
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 
 import aiohttp
 
@@ -37,7 +39,7 @@ class EnginePool:
     def healthy(self, role: str) -> list[EngineAdvertisement]:
         return [e for e in self.engines() if e.role == role and e.engine_id not in self.down]
 
-    def choose(self, exclude: set[str] = frozenset()) -> tuple[EngineAdvertisement, EngineAdvertisement] | None:
+    def choose(self, exclude: AbstractSet[str] = frozenset()) -> tuple[EngineAdvertisement, EngineAdvertisement] | None:
         """Least outstanding work first: the decode engine, then a compatible prefill engine."""
         prefills = [p for p in self.healthy("prefill") if p.engine_id not in exclude]
         for decode in sorted(self.healthy("decode"), key=lambda e: (self.outstanding[e.engine_id], e.engine_id)):
@@ -77,9 +79,9 @@ class EnginePool:
             if engine.engine_id not in self.max_model_len:
                 async with session.get(f"{engine.http_url}/v1/models", timeout=timeout) as r:
                     if r.status == 200:
-                        cards = (await r.json()).get("data") or [{}]
-                        if isinstance(cards[0].get("max_model_len"), int):
-                            self.max_model_len[engine.engine_id] = cards[0]["max_model_len"]
+                        limit = _max_model_len(await r.read())
+                        if limit is not None:
+                            self.max_model_len[engine.engine_id] = limit
             return "ok"
         except TimeoutError:
             return "slow"
@@ -91,3 +93,14 @@ class EnginePool:
         for e in self.engines():
             out[f"{e.role}/{'down' if e.engine_id in self.down else 'up'}"] += 1
         return dict(out)
+
+
+def _max_model_len(raw: bytes) -> int | None:
+    """The first model card's max_model_len from a /v1/models answer; None for anything else (an engine that
+    answers oddly stays in rotation, unlimited, and must not fail the probe round of every other engine)."""
+    try:
+        cards = json.loads(raw).get("data")
+        limit = cards[0].get("max_model_len")
+    except (ValueError, AttributeError, TypeError, IndexError, KeyError):
+        return None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None

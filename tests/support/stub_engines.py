@@ -58,7 +58,7 @@ class StubEngine:
     """One stand-in engine. `fail_status`: answer prefill legs with this HTTP status (after `hold(request_id)`
     returns, if set). `board`: decode legs wait for their KV there; without one they answer at once.
     `decode_status`: answer decode legs with this status; `decode_dies_after`: stream this many chunks, then drop
-    the connection. `health_status`, `health_hangs`: what /health does."""
+    the connection. `health_status`, `health_hangs`: what /health does; `models_body`: what /v1/models answers."""
 
     def __init__(self, engine_id: str, role: str, *, mode: str = "push", board: KvBoard | None = None,
                  max_model_len: int = 8192, layout_key: str | None = None, block_size: int = 16) -> None:
@@ -69,6 +69,7 @@ class StubEngine:
         self.decode_dies_after: int | None = None
         self.health_status = 200
         self.health_hangs = False
+        self.models_body: bytes | None = None
         self.hold: Callable[[str], Awaitable[None]] | None = None
         self.legs: list[Leg] = []
         self.cancelled: list[str] = []
@@ -121,6 +122,8 @@ class StubEngine:
         return web.Response(status=self.health_status, text="")
 
     async def _models(self, _request: web.Request) -> web.Response:
+        if self.models_body is not None:
+            return web.Response(body=self.models_body, content_type="application/json")
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model",
                                                               "max_model_len": self.max_model_len}]})
 

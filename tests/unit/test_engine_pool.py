@@ -113,3 +113,20 @@ async def test_probes_take_dead_engines_out_and_bring_them_back():
             p1.health_hangs = False
             await pool.probe_once(session)
             assert pool.down == {"gone"} and pool.timeouts["p1"] == 0
+
+
+async def test_an_odd_models_answer_neither_marks_an_engine_down_nor_fails_the_round():
+    """/v1/models only tells max_model_len; an engine answering it oddly stays up (no known limit), and the
+    round still probes every other engine (one engine's answer raising used to fail the whole round)."""
+    odd = [StubEngine(f"p{i}", "prefill") for i in range(5)]
+    for engine, body in zip(odd, [b"[]", b"not json", b'{"data": []}', b'{"data": [1]}',
+                                  b'{"data": [{"max_model_len": true}]}'], strict=True):
+        engine.models_body = body
+    async with stub_engines(*odd, StubEngine("d1", "decode"), StubEngine("dead", "decode")) as engines:
+        *_, dead = engines
+        ads = [e.advertisement() for e in engines]
+        await dead.stop()
+        pool = EnginePool("push", lambda: ads)
+        async with aiohttp.ClientSession() as session:
+            await pool.probe_once(session)
+        assert pool.down == {"dead"} and pool.max_model_len == {"d1": 8192}
