@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import aiohttp
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from yarl import URL
 
@@ -32,6 +32,8 @@ FIELDS = list(advert_json("x"))
 REASONS = {"invalid_json", "invalid_body", "id_mismatch", "bad_parameter", "too_large", "unauthenticated", "forbidden",
            "conflict", "not_found", "registry_full", "not_allowed"}
 # A server shared by examples: hypothesis' warning about function-scoped fixtures does not apply.
+# aiohttp's HTTP parser answers a longer request line itself (a plain-text 400, before any handler runs).
+MAX_REQUEST_LINE = 8000
 SHARED_SERVER = settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
@@ -213,6 +215,7 @@ async def test_any_request_is_answered_and_only_accepted_writes_change_anything(
     r = rendezvous
     before = r.state()
     url = r.url(template.replace("{id}", engine_id)).with_query(query)
+    assume(len(url.raw_path_qs) < MAX_REQUEST_LINE)
     async with r.http.request(method, url, headers=headers) as resp:
         if resp.status == 200 and resp.headers.get("Content-Type", "").startswith("application/x-ndjson"):
             first = await resp.content.readline()  # a watch: open-ended; its first line is enough
