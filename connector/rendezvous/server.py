@@ -147,7 +147,8 @@ class RendezvousServer:
             web.delete("/v1/engines/{engine_id}", self.delete_engine),
             web.get("/v1/engines", self.list_engines),
             web.get("/v1/engines/{engine_id}", self.get_engine),
-            web.get("/v1/watch", self.watch),
+            # No HEAD: a stream cannot answer one (aiohttp would send the events as a body no client expects).
+            web.get("/v1/watch", self.watch, allow_head=False),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics_handler),
         ])

@@ -268,6 +268,18 @@ async def test_malformed_input_gets_4xx_with_a_message_and_loses_nothing():
 
 
 @pytest.mark.timeout(20)
+async def test_head_of_the_watch_is_405_and_the_connection_stays_usable():
+    """HEAD of a stream used to answer with the stream's events as a body, which the client then read as the
+    next response's status line."""
+    async with serving() as (server, _), aiohttp.ClientSession() as s:
+        for _ in range(2):  # the second pair on the same kept-alive connection
+            async with s.head(server.url + "/v1/watch") as resp:
+                assert resp.status == 405 and resp.headers["Allow"] == "GET"
+            async with s.get(server.url + "/health") as resp:
+                assert resp.status == 200 and (await resp.json())["status"] == "ok"
+
+
+@pytest.mark.timeout(20)
 async def test_a_huge_content_length_is_refused_at_once():
     """Content-Length says 1 TB, 2 bytes follow: a 413 at once (reading first would wait for the rest forever)."""
     async with serving() as (server, _):
