@@ -24,13 +24,14 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ..wire import env as wire_env
 from ..wire import strict_json
@@ -86,7 +87,7 @@ class Metrics:
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
-def _json(model, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+def _json(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=model.model_dump_json(exclude_none=True).encode(),
                         content_type="application/json", headers=headers)
 
@@ -156,7 +157,7 @@ class RendezvousServer:
         app.on_shutdown.append(self._on_shutdown)
         return app
 
-    async def _background(self, app: web.Application):
+    async def _background(self, app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self._expiry_loop(), name="rendezvous-expiry")
         yield
         task.cancel()
@@ -191,6 +192,7 @@ class RendezvousServer:
         events = self.registry.expire()
         for ev in events:
             self.metrics.expiries.inc()
+            assert ev.engine is not None  # EXPIRED events name their engine
             log.info("engine %s (%s) expired", ev.engine.engine_id, ev.engine.role)
         if events:
             self.metrics.update(self.registry)
@@ -210,7 +212,7 @@ class RendezvousServer:
 
     # -- middleware --
     @web.middleware
-    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except HttpError as e:
@@ -276,6 +278,7 @@ class RendezvousServer:
                 from None
         for ev in reg.events:
             if ev.type == "DELETED":
+                assert ev.engine is not None
                 self.metrics.deregistrations.inc()
                 log.info("engine %s replaced by %s (same pod %s)", ev.engine.engine_id, adv.engine_id, adv.pod_name)
         {"created": self.metrics.registrations, "modified": self.metrics.modifications,
@@ -300,10 +303,10 @@ class RendezvousServer:
         engine_id = self._path_id(request)
         identity = await self.auth.authenticate(request)
         self.auth.authorize_entry(identity, self._stored_or_404(engine_id))
-        ev = self.registry.deregister(engine_id)
+        self.registry.deregister(engine_id)
         self.metrics.deregistrations.inc()
         self.metrics.update(self.registry)
-        log.info("engine %s deregistered", ev.engine.engine_id)
+        log.info("engine %s deregistered", engine_id)
         return web.Response(status=204)
 
     async def get_engine(self, request: web.Request) -> web.Response:
@@ -355,7 +358,7 @@ class RendezvousServer:
             changes = registry.changes_since(since, epoch)
             await send([*changes.events, registry.control("BOOKMARK")])
             last, last_bookmark = changes.version, loop.time()
-            while not registry.closed:
+            while True:  # until the registry closes (server shutdown)
                 wait = max(0.0, last_bookmark + self.heartbeat_seconds - loop.time())
                 await registry.wait(last, wait)
                 if registry.closed:

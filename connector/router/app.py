@@ -15,9 +15,11 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import yaml
@@ -30,6 +32,9 @@ from pydantic import TypeAdapter, ValidationError
 from ..wire.advertisement import EngineAdvertisement
 from . import pd_protocol as pd
 from .engine_pool import EnginePool
+
+if TYPE_CHECKING:
+    from ..rendezvous.client import EngineCache, RendezvousClient
 
 log = logging.getLogger("disagg.router")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -99,7 +104,8 @@ class Router:
         return aiohttp.ClientTimeout(total=None, connect=self.s.connect_timeout, sock_read=self.s.request_timeout)
 
     # -- upstream legs -----------------------------------------------------------------------------------
-    async def _post_json(self, role: str, engine: EngineAdvertisement, path: str, body: dict, rid: str) -> Any:
+    async def _post_json(self, role: str, engine: EngineAdvertisement, path: str, body: dict[str, Any],
+                         rid: str) -> Any:
         assert self.session is not None
         try:
             async with self.session.post(f"{engine.http_url}{path}", json=body, headers={"X-Request-Id": rid},
@@ -112,7 +118,7 @@ class Router:
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:  # ValueError: not JSON
             raise UpstreamFailed(role, engine.engine_id, type(e).__name__, str(e) or "timeout") from e
 
-    async def _open_decode(self, engine: EngineAdvertisement, path: str, body: dict, rid: str,
+    async def _open_decode(self, engine: EngineAdvertisement, path: str, body: dict[str, Any], rid: str,
                            tl: Timeline) -> aiohttp.ClientResponse:
         assert self.session is not None
         trace = {"tl": tl}
@@ -172,14 +178,14 @@ class Router:
                                               "layout keys is available")
         return self._error(endpoint, 502, f"upstream failure: {last}")
 
-    async def _one(self, request: web.Request, endpoint: pd.Endpoint, body: dict, prefill: EngineAdvertisement,
-                   decode: EngineAdvertisement) -> web.StreamResponse:
+    async def _one(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any],
+                   prefill: EngineAdvertisement, decode: EngineAdvertisement) -> web.StreamResponse:
         rid = uuid.uuid4().hex
         path, tl = PATHS[endpoint], Timeline()
         self.pool.outstanding[prefill.engine_id] += 1
         self.pool.outstanding[decode.engine_id] += 1
-        prefill_task: asyncio.Task | None = None
-        decode_task: asyncio.Task | None = None
+        prefill_task: asyncio.Task[Any] | None = None
+        decode_task: asyncio.Task[aiohttp.ClientResponse] | None = None
         try:
             prefill_task = asyncio.create_task(
                 self._post_json("prefill", prefill, path, pd.prefill_body(endpoint, body), rid))
@@ -306,10 +312,11 @@ class Router:
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
-    async def _lifecycle(self, _app: web.Application):
+    async def _lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
         trace = aiohttp.TraceConfig()
 
-        async def headers_sent(_session, ctx, _params) -> None:
+        async def headers_sent(_session: aiohttp.ClientSession, ctx: SimpleNamespace,
+                               _params: aiohttp.TraceRequestHeadersSentParams) -> None:
             if ctx.trace_request_ctx and "tl" in ctx.trace_request_ctx:
                 ctx.trace_request_ctx["tl"].decode_sent = time.monotonic()
 
@@ -388,8 +395,8 @@ def load_static(path: Path) -> list[EngineAdvertisement]:
                                                                    if isinstance(data, dict) else data)
 
 
-def build(args: argparse.Namespace) -> tuple[Router, list]:
-    tasks: list = []
+def build(args: argparse.Namespace) -> tuple[Router, list[tuple[EngineCache, RendezvousClient]]]:
+    tasks: list[tuple[EngineCache, RendezvousClient]] = []
     if args.engines_file:
         try:
             static = load_static(args.engines_file)
@@ -412,7 +419,7 @@ def main(args: argparse.Namespace) -> None:
     router, follows = build(args)
     app = router.app()
 
-    async def follow(_app):
+    async def follow(_app: web.Application) -> AsyncIterator[None]:
         running = [asyncio.create_task(cache.follow(client)) for cache, client in follows]
         yield
         for t in running:
