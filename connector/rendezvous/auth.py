@@ -9,8 +9,9 @@ import logging
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -88,12 +89,13 @@ TokenReviewer = Callable[[str, list[str] | None], Awaitable[dict[str, Any]]]
 """(token, audiences) -> TokenReview status as a dict: authenticated, user{username, extra}, audiences, error."""
 
 
-def lightkube_reviewer(kubeconfig: str | os.PathLike | None = None) -> tuple[TokenReviewer, Callable[[], Awaitable[None]]]:
+def lightkube_reviewer(
+        kubeconfig: str | os.PathLike[str] | None = None) -> tuple[TokenReviewer, Callable[[], Awaitable[None]]]:
     """A TokenReviewer posting authentication.k8s.io/v1 TokenReviews with lightkube's AsyncClient (in-cluster
     config, else `kubeconfig`, else $KUBECONFIG), and a coroutine that closes the client."""
     state: dict[str, Any] = {}
 
-    def client():
+    def client() -> Any:  # lightkube.AsyncClient, imported only when a review is made
         if "client" not in state:
             from lightkube import AsyncClient, KubeConfig
 
@@ -136,13 +138,14 @@ class KubernetesAuth(Authenticator):
                  cache_seconds: float = 60.0, negative_cache_seconds: float = 5.0, cache_size: int = 4096,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not deployment or not namespace:
-            raise ValueError("--auth kubernetes needs the deployment (--deployment or $" + wire_env.DEPLOYMENT + ") and the "
+            raise ValueError(f"--auth kubernetes needs the deployment (--deployment or ${wire_env.DEPLOYMENT}) and the "
                              "namespace (--namespace, $POD_NAMESPACE or the in-cluster ServiceAccount)")
         self.deployment, self.namespace, self.audience = deployment, namespace, audience or None
         self._review, self._close = reviewer, close
         self._pods = pod_name_pattern(deployment)
         self._sa_prefix = f"system:serviceaccount:{namespace}:"
-        self.cache_seconds, self.negative_cache_seconds, self.cache_size = cache_seconds, negative_cache_seconds, cache_size
+        self.cache_seconds, self.negative_cache_seconds = cache_seconds, negative_cache_seconds
+        self.cache_size = cache_size
         self.clock = clock
         self._cache: dict[str, tuple[float, Identity | HttpError]] = {}
         self.reviews = 0  # TokenReviews sent (tests, debugging)

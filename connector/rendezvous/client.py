@@ -17,15 +17,17 @@ import logging
 import os
 import random
 import threading
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any
 
 import aiohttp
 from pydantic import ValidationError
 
 from ..wire import env as wire_env
 from ..wire.advertisement import EngineAdvertisement, EngineList, RegisterResponse, WatchEvent
-from ..wire.env import DEFAULT_HEARTBEAT_SECONDS as DEFAULT_HEARTBEAT, LEASE_HEARTBEATS
+from ..wire.env import DEFAULT_HEARTBEAT_SECONDS as DEFAULT_HEARTBEAT
+from ..wire.env import LEASE_HEARTBEATS
 
 log = logging.getLogger("disagg.rendezvous.client")
 
@@ -46,7 +48,7 @@ class RendezvousClient:
     The write token is `token`, else read from `token_file` on every request (kubelet rotates projected
     ServiceAccount tokens in place)."""
 
-    def __init__(self, url: str, *, token: str | None = None, token_file: str | os.PathLike | None = None,
+    def __init__(self, url: str, *, token: str | None = None, token_file: str | os.PathLike[str] | None = None,
                  timeout: float = 10.0) -> None:
         self.url = url.rstrip("/")
         self.token = token
@@ -138,7 +140,8 @@ class RendezvousClient:
 
     async def health(self) -> dict[str, Any]:
         _, data = await self._call("GET", "/health")
-        return json.loads(data)
+        health: dict[str, Any] = json.loads(data)
+        return health
 
     async def watch(self, since: int | None = None, epoch: str | None = None, *,
                     heartbeat_timeout: float | None = None, min_backoff: float = 0.05,
@@ -178,7 +181,7 @@ class RendezvousClient:
                         backoff = min_backoff
                         yield ev
                     log.info("watch stream from %s ended; reconnecting", self.url)
-            except asyncio.TimeoutError as e:
+            except TimeoutError as e:
                 if isinstance(e, aiohttp.ClientError):  # connect timeout
                     log.info("watch %s: cannot connect: %s; retrying in %.2fs", self.url, e, backoff)
                 else:
@@ -297,7 +300,7 @@ class EngineRegistration:
     async def wait_registered(self, timeout: float | None = None) -> bool:
         try:
             await asyncio.wait_for(self._ok.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 
@@ -385,7 +388,8 @@ class EngineCache:
         self.version: int | None = None
         self.epoch: str | None = None
         self.synced = asyncio.Event()
-        """Set at the first BOOKMARK: the cache holds the rendezvous' state (not necessarily all of it while warming)."""
+        """Set at the first BOOKMARK: the cache holds the rendezvous' state (not necessarily all of it while
+        warming)."""
         self.listeners: list[Callable[[WatchEvent], None]] = []
         self._stale: set[str] | None = None
 

@@ -20,10 +20,10 @@ import asyncio
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
-from ..wire.advertisement import EngineAdvertisement, RegisterResult, WatchEvent
+from ..wire.advertisement import EngineAdvertisement, EventType, RegisterResult, WatchEvent
 from ..wire.env import ROLES
 
 Clock = Callable[[], float]
@@ -103,7 +103,8 @@ class Registry:
 
     def engines(self, role: str | None = None, layout_key: str | None = None) -> list[EngineAdvertisement]:
         return [e.engine for _, e in sorted(self._entries.items())
-                if (role is None or e.engine.role == role) and (layout_key is None or e.engine.layout_key == layout_key)]
+                if (role is None or e.engine.role == role)
+                and (layout_key is None or e.engine.layout_key == layout_key)]
 
     def counts_by_role(self) -> dict[str, int]:
         counts = dict.fromkeys(ROLES, 0)
@@ -118,7 +119,7 @@ class Registry:
     def next_deadline(self) -> float | None:
         return min((e.expires_at for e in self._entries.values()), default=None)
 
-    def control(self, kind: str) -> WatchEvent:
+    def control(self, kind: EventType) -> WatchEvent:
         """A RESET or BOOKMARK at the current version."""
         return WatchEvent(version=self.version, type=kind, epoch=self.epoch, warming=self.warming())
 
@@ -135,7 +136,7 @@ class Registry:
         return Changes(self.version, False, events)
 
     # ---- writes ---------------------------------------------------------------------------------------------
-    def _append(self, kind: str, engine: EngineAdvertisement) -> WatchEvent:
+    def _append(self, kind: EventType, engine: EngineAdvertisement) -> WatchEvent:
         self.version += 1
         ev = WatchEvent(version=self.version, type=kind, engine=engine)
         if len(self._log) == self._log.maxlen:
