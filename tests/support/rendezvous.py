@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from disagg.connector.wire.advertisement import EngineAdvertisement, WatchEvent
 

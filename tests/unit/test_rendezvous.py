@@ -9,18 +9,19 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.connector.wire.advertisement import WatchEvent
-from disagg.connector.rendezvous.registry import Registry
 from disagg.connector.rendezvous.auth import KubernetesAuth, NoAuth, TokenAuth
+from disagg.connector.rendezvous.client import EngineCache, EngineRegistration, RendezvousClient, RendezvousError
+from disagg.connector.rendezvous.registry import Registry
 from disagg.connector.rendezvous.server import RendezvousServer
-from disagg.connector.rendezvous.client import (EngineCache, EngineRegistration, RendezvousClient, RendezvousError)
+from disagg.connector.wire.advertisement import WatchEvent
 from support.rendezvous import advert, advert_json, next_event, task
 
 TOKEN = "s3cret-token"
@@ -125,16 +126,16 @@ async def test_watch_resumes_from_since_and_snapshots_when_too_old():
         for since, expected in ((2, [("ADDED", 3, "c")]), (1, [("ADDED", 2, "b"), ("ADDED", 3, "c")]), (3, [])):
             lines = watch_lines(server.url, f"?since={since}&epoch={epoch}")
             got = [await anext(lines) for _ in range(len(expected) + 1)]
-            assert [(l["type"], l["version"], l.get("engine", {}).get("engine_id")) for l in got] == \
+            assert [(ln["type"], ln["version"], ln.get("engine", {}).get("engine_id")) for ln in got] == \
                 expected + [("BOOKMARK", 3, None)]
             await lines.aclose()
 
         for params in ("?since=0", f"?since=0&epoch={epoch}", "?since=2&epoch=old-epoch", "?since=50", ""):
             lines = watch_lines(server.url, params)
             got = [await anext(lines) for _ in range(5)]
-            assert [(l["type"], l["version"]) for l in got] == \
+            assert [(ln["type"], ln["version"]) for ln in got] == \
                 [("RESET", 3), ("ADDED", 3), ("ADDED", 3), ("ADDED", 3), ("BOOKMARK", 3)], params
-            assert [l["engine"]["engine_id"] for l in got[1:4]] == ["a", "b", "c"]
+            assert [ln["engine"]["engine_id"] for ln in got[1:4]] == ["a", "b", "c"]
             await lines.aclose()
 
 
@@ -262,7 +263,7 @@ async def test_malformed_input_gets_4xx_with_a_message_and_loses_nothing():
         assert server.registry.version == version and len(server.registry) == 1
         text = (await raw("GET", server.url + "/health"))[1]
         assert text["engines"] == 1
-        m = metrics((await (await client._http().get(server.url + "/metrics")).text()))
+        m = metrics(await (await client._http().get(server.url + "/metrics")).text())
         assert m[("disagg_rendezvous_rejected_requests_total", (("reason", "invalid_body"),))] >= 10
         assert m[("disagg_rendezvous_rejected_requests_total", (("reason", "too_large"),))] == 1
 
@@ -475,7 +476,7 @@ async def test_registration_sends_changes_and_renews_cheaply():
         assert server.registry.get("d1").kv_metadata == {"blocks": [1, 2]}
         server.registry.deregister("d1")  # as if the rendezvous restarted
         assert await reg.step() and reg.last_response.result == "created"
-        m = metrics((await (await client._http().get(server.url + "/metrics")).text()))
+        m = metrics(await (await client._http().get(server.url + "/metrics")).text())
         assert m[("disagg_rendezvous_renewals_total", ())] == 1  # via POST .../renew
 
 
@@ -553,10 +554,11 @@ async def test_kubernetes_auth_decisions_and_cache():
         got, err = await put("ok", engine_id="x", role="decode")
         assert got == 403 and "may not advertise a decode engine" in err["error"]
         # Renew and delete only your own entry.
-        assert (await raw("POST", f"{server.url}/v1/engines/e3/renew", headers={"Authorization": "Bearer ok"}))[0] == 403
-        assert (await raw("DELETE", f"{server.url}/v1/engines/e3", headers={"Authorization": "Bearer ok"}))[0] == 403
-        assert (await raw("POST", f"{server.url}/v1/engines/e1/renew", headers={"Authorization": "Bearer ok"}))[0] == 200
-        assert (await raw("DELETE", f"{server.url}/v1/engines/e1", headers={"Authorization": "Bearer ok"}))[0] == 204
+        ok = {"Authorization": "Bearer ok"}
+        assert (await raw("POST", f"{server.url}/v1/engines/e3/renew", headers=ok))[0] == 403
+        assert (await raw("DELETE", f"{server.url}/v1/engines/e3", headers=ok))[0] == 403
+        assert (await raw("POST", f"{server.url}/v1/engines/e1/renew", headers=ok))[0] == 200
+        assert (await raw("DELETE", f"{server.url}/v1/engines/e1", headers=ok))[0] == 204
         assert sorted(a.engine_id for a in server.registry.engines()) == ["e3", "e4"]
 
 

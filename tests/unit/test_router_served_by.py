@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from disagg.connector.router.engine_pool import EnginePool
 from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER, Router, Settings
+from disagg.connector.router.engine_pool import EnginePool
 from support.rendezvous import advert
 
 
