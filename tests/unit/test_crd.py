@@ -94,9 +94,10 @@ def test_every_property_has_a_description(schema):
     properties = [p for p, _node, is_prop in walk(schema) if is_prop]
     assert len(properties) > 100 and ".spec.prefill.tolerations[].tolerationSeconds" in properties
     missing = [p for p, node, is_prop in walk(schema)
-               if is_prop and p != ".metadata" and not str(node.get("description", "")).strip()]
-    # Root metadata is the one exception: the apiserver forbids anything but `type` there.
-    assert schema["properties"]["metadata"] == {"type": "object"}
+               if is_prop and not p.startswith(".metadata") and not str(node.get("description", "")).strip()]
+    # Root metadata is the one exception: the apiserver forbids anything but `type` and a schema for the name there.
+    assert schema["properties"]["metadata"] == {"type": "object", "properties": {"name": {
+        "type": "string", "x-kubernetes-validations": api.NAME_RULES}}}
     assert missing == [], f"properties without a description: {missing}"
 
 
