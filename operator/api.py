@@ -27,6 +27,10 @@ PULL_CONNECTOR = "NixlConnector"
 PLUGIN_CONNECTORS = frozenset({PUSH_CONNECTOR, PULL_CONNECTOR, "NixlPullConnector"})
 """The vLLM connector classes `disagg.connector.plugin` wraps under the same names. Only these engines load the
 plugin (and so advertise themselves and report their transport); a vendor connector runs as vLLM ships it."""
+PUSH_CONNECTORS = frozenset({PUSH_CONNECTOR})
+"""The connectors that do push-mode transfer (decode pre-registers, prefill WRITEs). Every other connector, the
+plugin's pull classes and vendor connectors such as NeuronNixlConnector alike, is read by decode after prefill
+returns: pull mode. The router's protocol follows `mode`, so the two must agree."""
 MAX_ENGINE_REPLICAS = 1000
 
 
@@ -177,13 +181,21 @@ class KVTransferSpec(Model):
         _cel("!(self.mode == 'push' && self.bidirectional)",
              "push mode does not support bidirectional KV transfer; set spec.kvTransfer.mode: pull or "
              "bidirectional: false", field_path=".bidirectional"),
+        _cel(f"!has(self.connector) || (self.mode == 'push') == (self.connector in {sorted(PUSH_CONNECTORS)})",
+             message_expression=_fmt(
+                 "%s does not do %s-mode KV transfer (spec.kvTransfer.mode: %s); push needs %s, pull any other "
+                 "connector (NixlConnector, NixlPullConnector or a vendor pull connector); or leave connector unset "
+                 "for the mode's default",
+                 "self.connector", "self.mode", "self.mode", f"'{' or '.join(sorted(PUSH_CONNECTORS))}'"),
+             field_path=".connector"),
     ]})
     mode: Literal["push", "pull"] = "push"
     """`push`: decode pre-registers its blocks and prefill WRITEs KV as soon as it finishes (NixlPushConnector).
     `pull`: decode READs KV after prefill returns (NixlConnector)."""
     connector: str | None = Field(default=None, min_length=1)
     """vLLM KV connector class. Defaults to NixlPushConnector (push) or NixlConnector (pull); override for
-    vendor connectors such as Neuron's NeuronNixlConnector."""
+    vendor connectors such as Neuron's NeuronNixlConnector. It must agree with `mode`: push needs
+    NixlPushConnector, pull any other connector (NixlConnector, NixlPullConnector, a vendor pull connector)."""
     backend: Literal["LIBFABRIC", "UCX"] | None = None
     """NIXL transport backend. Defaults to LIBFABRIC when EFA is in use, UCX otherwise."""
     bidirectional: bool = False

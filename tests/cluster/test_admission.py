@@ -136,6 +136,13 @@ REJECTED = [
                                 '"LoadBalancer"'),
     ("side-channel-port-privileged", {"kvTransfer.sideChannelPort": 80},
      "spec.kvTransfer.sideChannelPort", "should be greater than or equal to 1024"),
+    ("push-with-pull-connector", {"kvTransfer.connector": "NixlPullConnector"},
+     "spec.kvTransfer.connector", "NixlPullConnector does not do push-mode KV transfer (spec.kvTransfer.mode: push); "
+                                  "push needs NixlPushConnector"),
+    ("push-with-vendor-connector", {"kvTransfer.connector": "NeuronNixlConnector"},
+     "spec.kvTransfer.connector", "NeuronNixlConnector does not do push-mode KV transfer"),
+    ("pull-with-push-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NixlPushConnector"},
+     "spec.kvTransfer.connector", "NixlPushConnector does not do pull-mode KV transfer (spec.kvTransfer.mode: pull)"),
 ]
 
 
@@ -198,6 +205,11 @@ ACCEPTED = [
     ("pvc-source", {"model.source": {"pvc": {"claimName": "weights"}}}),
     ("quantities-and-free-form", {"prefill.resources": {"requests": {"cpu": 32, "memory": "256Gi"}},
                                   "decode.affinity": {"nodeAffinity": {"anything": ["goes"]}}}),
+    ("push-with-push-connector", {"kvTransfer.connector": "NixlPushConnector"}),
+    ("pull-with-nixl-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NixlConnector"}),
+    ("pull-with-nixl-pull-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NixlPullConnector"}),
+    ("pull-with-vendor-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NeuronNixlConnector",
+                                    "accelerator.profile": "trainium2"}),
 ]
 
 
