@@ -35,6 +35,14 @@ def engine_name(cr: str, role: str) -> str:
     return f"{cr}-{role}"
 
 
+def engine_owner(statefulset: str) -> tuple[str, str] | None:
+    """(CR name, role) of an engine StatefulSet name, or None when no CR would name a StatefulSet so."""
+    for role in ENGINE_ROLES:
+        if statefulset.endswith(f"-{role}") and len(statefulset) > len(role) + 1:
+            return statefulset[: -len(role) - 1], role
+    return None
+
+
 def router_name(cr: str) -> str:
     return f"{cr}-{ROUTER}"
 

@@ -93,9 +93,25 @@ class Reconciler:
         self._token_secrets: set[str] = set()  # CR uids whose token Secret is known to exist
         self._bindings_forbidden = False  # listing ClusterRoleBindings was refused (logged once)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
+        self._apply_errors: dict[Key, str] = {}  # CRs whose last full pass had a child refused, and why
 
     # -- children ----------------------------------------------------------------------------------------
     async def apply_children(self, cr: api.DisaggregatedInference, thorough: bool = False) -> ApplyOutcome:
+        """Apply every child; remember a refusal (`apply_error`) until a later pass applies them all."""
+        key = (meta_namespace(cr), meta_name(cr))
+        try:
+            outcome = await self._apply_children(cr, thorough)
+        except ApplyFailed as e:
+            self._apply_errors[key] = str(e)
+            raise
+        self._apply_errors.pop(key, None)
+        return outcome
+
+    def apply_error(self, key: Key) -> str | None:
+        """Why the last full pass of this CR could not apply a child (the apiserver's message), or None."""
+        return self._apply_errors.get(key)
+
+    async def _apply_children(self, cr: api.DisaggregatedInference, thorough: bool) -> ApplyOutcome:
         outcome = ApplyOutcome()
         if cr.spec.rendezvous.auth == "token":
             if await self.ensure_token_secret(cr, verify=thorough):
@@ -307,6 +323,7 @@ class Reconciler:
 
     def forget(self, key: Key) -> None:
         self._transport_status.pop(key, None)
+        self._apply_errors.pop(key, None)
 
 
 class ApplyFailed(RuntimeError):
