@@ -256,8 +256,11 @@ def degradations(observed: Observed, failures: list[PodProblem]) -> list[tuple[s
         out.append((p.reason, f"{p.role} pod {p.pod}: {p.message}{more}"))
     if observed.apply_error:
         out.append((APPLY_FAILED, observed.apply_error))
-    for f in observed.create_failures:
-        out.append((FAILED_CREATE, f"the {f.role} StatefulSet cannot create its pods: {f.message}"))
+    if observed.create_failures:
+        roles = " and ".join(f.role for f in observed.create_failures)
+        several = len(observed.create_failures) > 1
+        out.append((FAILED_CREATE, f"the {roles} StatefulSet{'s' if several else ''} cannot create "
+                                   f"{'their' if several else 'its'} pods: {observed.create_failures[0].message}"))
     unschedulable = sorted((p for p in observed.problems if p.reason == UNSCHEDULABLE), key=lambda p: p.pod)
     if unschedulable:
         n = len(unschedulable)

@@ -90,10 +90,9 @@ def test_engine_pods_the_statefulset_cannot_create_make_the_cr_degraded(cluster,
                        what="Degraded FailedCreate")
     message = cond(dinf, "Degraded")["message"]
     # The StatefulSet controller's own Event message: which pod, which StatefulSet, and the apiserver's refusal.
-    assert message.startswith(f"the prefill StatefulSet cannot create its pods: create Pod {name}-prefill-0 in "
-                              f"StatefulSet {name}-prefill failed error: ") or \
-        message.startswith(f"the decode StatefulSet cannot create its pods: create Pod {name}-decode-0 in "
-                           f"StatefulSet {name}-decode failed error: "), message
+    assert message.startswith("the prefill and decode StatefulSets cannot create their pods: Create Pod "
+                              f"{name}-prefill-0 in StatefulSet {name}-prefill failed error: pods \"{name}-prefill-0\" "
+                              "is forbidden: exceeded quota: no-gpus"), message
     assert "exceeded quota: no-gpus" in message and "requests.nvidia.com/gpu" in message, message
     assert not list(cluster.client.list(Pod, namespace=namespace, labels={"serving.disagg.io/role": "prefill"}))
 

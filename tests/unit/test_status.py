@@ -223,7 +223,7 @@ def event(uid: str, reason: str, at: float, message: str = "") -> PodCreateEvent
     return PodCreateEvent(uid, reason, message or f"{reason} at {at}", at)
 
 
-FAILED = "create Pod m-prefill-1 in StatefulSet m-prefill failed error: pods \"m-prefill-1\" is forbidden: exceeded quota"
+FAILED = "Create Pod m-prefill-1 in StatefulSet m-prefill failed error: pods \"m-prefill-1\" is forbidden: exceeded quota"
 SHORT = WorkloadState(desired=2, replicas=1, ready=1, updated=1, exists=True, uid="u1")
 
 
@@ -249,6 +249,10 @@ def test_failed_creation_and_refused_children_make_the_cr_degraded():
     st = conds(compute_status(SPEC, 1, short, "e", None, "t"))
     assert (st["Degraded"]["status"], st["Degraded"]["reason"]) == ("True", "FailedCreate")
     assert st["Degraded"]["message"] == f"the prefill StatefulSet cannot create its pods: {FAILED}"
+    both = Observed(prefill=SHORT, decode=SHORT, router=SETTLED.router,
+                    create_failures=(CreateFailure("prefill", FAILED), CreateFailure("decode", "d")))
+    assert conds(compute_status(SPEC, 1, both, "e", None, "t"))["Degraded"]["message"] == \
+        f"the prefill and decode StatefulSets cannot create their pods: {FAILED}"
 
     refused = "applying Service ns/m-router: services \"m-router\" is forbidden: exceeded quota: lb"
     st = conds(compute_status(SPEC, 1, Observed(prefill=SETTLED.prefill, decode=SETTLED.decode, router=SETTLED.router,
@@ -264,4 +268,4 @@ def test_failed_creation_and_refused_children_make_the_cr_degraded():
     st = conds(compute_status(SPEC, 1, both, "e", None, "t"))
     assert st["Degraded"]["reason"] == "EngineFailed"
     assert st["Degraded"]["message"] == "decode pod m-decode-0: no EFA (also: ApplyFailed, FailedCreate, TransportMismatch)"
-    assert (st["Ready"]["reason"], st["Ready"]["message"]) == ("EngineFailed", st["Degraded"]["message"])
+    assert (st["Ready"]["reason"], st["Ready"]["message"]) == ("EngineFailed", "decode pod m-decode-0: no EFA")
