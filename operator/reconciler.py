@@ -18,12 +18,11 @@ from typing import Any, Awaitable, Callable, Mapping
 
 from lightkube import AsyncClient, codecs
 from lightkube.core.exceptions import ApiError
-from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.core_v1 import Secret
-from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 from lightkube.types import PatchType
 
 from . import api, metrics, names
+from .bindings import BindingCollector, DinfResource
 from .builders import OperatorImages, build_children, endpoint_url
 from .meta import cr_name as meta_name
 from .meta import namespace_of as meta_namespace
@@ -31,7 +30,6 @@ from .meta import object_meta
 from .status import TRANSPORT_VERIFIED, Observed, compute_status, transport_event
 
 FIELD_MANAGER = "disagg-operator"
-DinfResource = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
 
 Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
 ChildKey = tuple[str, str, str]  # (kind, namespace, name)
@@ -91,7 +89,7 @@ class Reconciler:
         # What our last apply of each child produced: a later event with the same marker is our own echo.
         self.applied: dict[ChildKey, str] = {}
         self._token_secrets: set[str] = set()  # CR uids whose token Secret is known to exist
-        self._bindings_forbidden = False  # listing ClusterRoleBindings was refused (logged once)
+        self.bindings = BindingCollector(client, self.namespaces, self.log)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
         self._apply_errors: dict[Key, str] = {}  # CRs whose last full pass had a child refused, and why
 
@@ -172,92 +170,12 @@ class Reconciler:
 
     async def collect_bindings(self, only: Key | None = None,
                                needed: frozenset[Key] | set[Key] = frozenset()) -> list[str]:
-        """Delete the rendezvous ClusterRoleBindings (auth kubernetes) that no CR needs any more: their CR is
-        gone or being deleted, or now uses auth token. Garbage collection cannot do this (a cluster-scoped
-        object cannot be owned by a namespaced one) and a finalizer would make CRs undeletable while the
-        operator is down, so the resync calls this every round, and a CR's DELETED event for that CR.
-
-        Only bindings this operator made are candidates: its labels, the `disagg-rendezvous:` name, the
-        auth-delegator role, and a CR in a namespace it serves. Each delete carries the binding's UID and
-        resourceVersion as preconditions, so a binding re-applied meanwhile (a CR recreated under the same
-        name) is left alone. `needed`: CRs known (from the watch index) to use auth kubernetes, whose bindings
-        are kept without asking the apiserver. Returns the names deleted."""
-        selector = {names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_COMPONENT: names.RENDEZVOUS}
-        if only is not None:
-            selector.update({names.LABEL_CR_NAMESPACE: only[0], names.LABEL_INSTANCE: only[1]})
-        t0 = time.monotonic()
-        try:
-            bindings = [b async for b in self.client.list(ClusterRoleBinding, labels=selector)]
-        except ApiError as e:
-            if e.status.code == 403:  # rbac.tokenReview off: then it made no binding either (auth token only)
-                if not self._bindings_forbidden:
-                    self.log.warning("cannot list ClusterRoleBindings (%s): rendezvous bindings of deleted CRs "
-                                     "are not removed; CRs need spec.rendezvous.auth: token", e.status.message)
-                self._bindings_forbidden = True
-                return []
-            metrics.API_ERRORS.labels(kind="ClusterRoleBinding", verb="list").inc()
-            raise
-        finally:
-            metrics.API_SECONDS.labels(verb="list").observe(time.monotonic() - t0)
-        deleted = []
-        for binding in bindings:
-            owner = self._binding_owner(binding)
-            if owner is None or (only is not None and owner != only) or owner in needed or \
-                    await self._needs_binding(*owner):
-                continue
-            meta = binding.metadata
-            try:
-                await self._delete_exact(ClusterRoleBinding, meta.name, meta.uid, meta.resourceVersion)
-            except ApiError as e:
-                if e.status.code in (404, 409):  # gone already, or changed since we looked: not ours to delete
-                    continue
-                metrics.API_ERRORS.labels(kind="ClusterRoleBinding", verb="delete").inc()
-                raise
-            self.applied.pop(("ClusterRoleBinding", "", meta.name), None)
-            metrics.CHILD_WRITES.labels(kind="ClusterRoleBinding", change="deleted").inc()
-            self.log.info("deleted ClusterRoleBinding %s: %s/%s no longer needs it", meta.name, *owner)
-            deleted.append(meta.name)
+        """Delete the rendezvous ClusterRoleBindings no CR needs any more (bindings.BindingCollector.collect) and
+        forget having applied them. Returns the names deleted."""
+        deleted = await self.bindings.collect(only=only, needed=needed)
+        for name in deleted:
+            self.applied.pop(("ClusterRoleBinding", "", name), None)
         return deleted
-
-    def _binding_owner(self, binding: ClusterRoleBinding) -> Key | None:
-        """The (namespace, name) of the CR a binding was made for, or None when it is not one of ours."""
-        meta = binding.metadata
-        namespace, _, name = (meta.annotations or {}).get(names.OWNER_ANNOTATION, "").partition("/")
-        if not namespace or not name or (meta.labels or {}).get(names.LABEL_CR_NAMESPACE) != namespace:
-            return None
-        if meta.name != names.rendezvous_binding_name(namespace, name) or \
-                binding.roleRef.name != names.AUTH_DELEGATOR:
-            return None
-        if self.namespaces is not None and namespace not in self.namespaces:
-            return None  # another operator's (or nobody's we may judge)
-        return namespace, name
-
-    async def _needs_binding(self, namespace: str, name: str) -> bool:
-        """Ask the apiserver (an index can lag a creation as well as a deletion)."""
-        try:
-            obj = await self.client.get(DinfResource, name, namespace=namespace)
-        except ApiError as e:
-            if e.status.code == 404:
-                return False
-            raise
-        if obj.metadata.deletionTimestamp is not None:
-            return False
-        # The CRD defaults the field; an object stored before it existed reads as the default, kubernetes.
-        return ((obj.get("spec") or {}).get("rendezvous") or {}).get("auth", "kubernetes") == "kubernetes"
-
-    async def _delete_exact(self, res: type, name: str, uid: str, resource_version: str) -> None:
-        """DELETE with DeleteOptions preconditions (lightkube's delete sends no body, so build the request on
-        its generic client: same connection, same credentials)."""
-        generic = self.client._client
-        request = generic.prepare_request("delete", res=res, name=name)
-        request.data = {"apiVersion": "v1", "kind": "DeleteOptions",
-                        "preconditions": {"uid": uid, "resourceVersion": resource_version}}
-        t0 = time.monotonic()
-        try:
-            response = await generic.send(generic.build_adapter_request(request))
-            generic.handle_response("delete", response, request)
-        finally:
-            metrics.API_SECONDS.labels(verb="delete").observe(time.monotonic() - t0)
 
     async def _apply(self, obj: dict[str, Any]):
         resource = codecs.from_dict(obj)
