@@ -28,6 +28,7 @@ import contextvars
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import kopf
@@ -56,11 +57,32 @@ RESYNC_SECONDS = float(os.environ.get("DISAGG_RESYNC_SECONDS", "300"))
 
 
 # -- indexes: kopf keeps these current from its watches, so status needs no list calls ----------------------
+@dataclass(frozen=True)
+class IndexedCR:
+    """A DisaggregatedInference as the watch last saw it: parsed once per change, so every pass and loop reads
+    the typed spec. `cr` is None exactly when the stored object does not parse (`error` says why)."""
+
+    body: dict[str, Any]  # what Events are posted against
+    cr: api.DisaggregatedInference | None
+    error: str | None = None
+
+    @property
+    def deleting(self) -> bool:
+        return bool(self.body["metadata"].get("deletionTimestamp"))
+
+
+def parse_cr(body: dict[str, Any]) -> IndexedCR:
+    try:
+        return IndexedCR(body, api.DisaggregatedInference.model_validate(body))
+    except ValidationError as e:
+        return IndexedCR(body, None, _first_error(e))
+
+
 @kopf.index(*CR)
 def dinf_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                                "metadata": dict(body.metadata), "spec": dict(body.spec),
-                                "status": dict(body.get("status") or {})}}
+    return {(namespace, name): parse_cr({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                                         "metadata": dict(body.metadata), "spec": dict(body.spec),
+                                         "status": dict(body.get("status") or {})})}
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
@@ -131,18 +153,17 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
 
     async def one_pass(full: bool) -> None:
         store = dinf_index.get(key)
-        body = next(iter(store), None) if store else None
-        if body is None or body["metadata"].get("deletionTimestamp"):
+        entry: IndexedCR | None = next(iter(store), None) if store else None
+        if entry is None or entry.deleting:
             transports.forget(key)
             reconciler.forget(key)
             return  # deleted: owner references make the garbage collector remove the children
         t0 = time.monotonic()
-        try:
-            cr = api.DisaggregatedInference.model_validate(body)
-        except ValidationError as e:
+        body, cr = entry.body, entry.cr
+        if cr is None:
             metrics.RECONCILES.labels(trigger=trigger, result="invalid").inc()
-            kopf.warn(body, reason="InvalidSpec", message=_first_error(e))
-            raise kopf.PermanentError(f"invalid spec: {_first_error(e)}")
+            kopf.warn(body, reason="InvalidSpec", message=str(entry.error))
+            raise kopf.PermanentError(f"invalid spec: {entry.error}")
         # The index can lag a deletion; applying then would recreate children the garbage collector is
         # removing (owned by a deleted UID). Ask the apiserver before any pass that may create.
         if full and not await reconciler.exists(namespace, name):
@@ -171,8 +192,8 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         # A refused child stays in Degraded (reconciler.apply_error) until a full pass applies every child.
         observed = observe(namespace, name, sts_index, deploy_index, pod_problem_index, report, sts_event_index,
                            reconciler.apply_error(key))
-        status = await reconciler.publish_status(cr, body, observed)
-        event = reconciler.transport_event(key, body.get("status"), status) if status is not None else None
+        status = await reconciler.publish_status(cr, observed)
+        event = reconciler.transport_event(key, cr.status, status) if status is not None else None
         if event is not None:
             kind, reason, message = event
             post_event(memo, kopf.warn if kind == "Warning" else kopf.info, body, reason, message)
@@ -224,9 +245,10 @@ def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _needs_binding(index: kopf.Index) -> set[tuple[str, str]]:
-    """CRs the watch index knows with auth kubernetes (the default)."""
-    return {key for key, store in index.items() for body in store
-            if ((body.get("spec") or {}).get("rendezvous") or {}).get("auth", "kubernetes") == "kubernetes"}
+    """CRs the watch index knows with auth kubernetes (the default). One that does not parse keeps its binding:
+    nothing proves it does not need one."""
+    return {key for key, store in index.items() for entry in store
+            if entry.cr is None or entry.cr.spec.rendezvous.auth == "kubernetes"}
 
 
 async def collect_bindings(memo: kopf.Memo, logger, only: tuple[str, str] | None = None) -> None:
@@ -291,10 +313,9 @@ async def poll_transports_forever(memo: kopf.Memo, interval: float) -> None:
         for key in transports.keys() - set(indexes["dinf_index"].keys()):
             transports.forget(key)
         for key, store in list(indexes["dinf_index"].items()):
-            body = next(iter(store), None)
-            if body is not None and (body.get("spec") or {}).get("kvTransfer", {}).get("connector") not in \
-                    (None, *api.PLUGIN_CONNECTORS):
-                continue  # a vendor connector: its engines never report a transport
+            entry: IndexedCR | None = next(iter(store), None)
+            if entry is None or entry.cr is None or not entry.cr.spec.uses_plugin:
+                continue  # unparsable, or a vendor connector: its engines never report a transport
             transports.request(key, force=True)
 
 

@@ -27,7 +27,7 @@ from .builders import OperatorImages, build_children, endpoint_url
 from .meta import cr_name as meta_name
 from .meta import namespace_of as meta_namespace
 from .meta import object_meta
-from .status import TRANSPORT_VERIFIED, Observed, compute_status, transport_event
+from .status import TRANSPORT_VERIFIED, Observed, compute_status, condition, transport_event
 
 FIELD_MANAGER = "disagg-operator"
 
@@ -208,17 +208,17 @@ class Reconciler:
         return self.applied.get((kind, meta.get("namespace", ""), meta.get("name", ""))) == child_marker(body)
 
     # -- status ------------------------------------------------------------------------------------------
-    async def publish_status(self, cr: api.DisaggregatedInference, body: Mapping[str, Any],
-                             observed: Observed) -> dict[str, Any] | None:
-        """Write the status if it changed. Returns the status, or None when the CR is gone."""
-        meta = body["metadata"]
-        previous = dict(body.get("status") or {})
-        status = compute_status(cr.spec, int(meta.get("generation", 0)), observed, endpoint_url(cr), previous,
+    async def publish_status(self, cr: api.DisaggregatedInference,
+                             observed: Observed) -> api.DisaggregatedInferenceStatus | None:
+        """Write the status if it changed from the one stored in `cr`. Returns the status, or None when the CR is
+        gone."""
+        meta = cr.metadata
+        status = compute_status(cr.spec, int(meta.get("generation", 0)), observed, endpoint_url(cr), cr.status,
                                 _now())
-        if _same_status(previous, status):
+        if status == cr.status:
             return status
         try:
-            await self.client.patch(DinfResource.Status, meta["name"], {"status": status},
+            await self.client.patch(DinfResource.Status, meta["name"], {"status": status.dump()},
                                     namespace=meta["namespace"], patch_type=PatchType.MERGE)
         except ApiError as e:
             metrics.API_ERRORS.labels(kind=api.KIND, verb="patch-status").inc()
@@ -228,15 +228,16 @@ class Reconciler:
         metrics.STATUS_WRITES.inc()
         return status
 
-    def transport_event(self, key: Key, previous: Mapping[str, Any] | None,
-                        status: Mapping[str, Any]) -> tuple[str, str, str] | None:
+    def transport_event(self, key: Key, previous: api.DisaggregatedInferenceStatus | None,
+                        status: api.DisaggregatedInferenceStatus) -> tuple[str, str, str] | None:
         """The Event for a TransportVerified transition, once per transition. What this process last published
         beats the status it read, which can lag our own write; after a restart the stored status is the memory."""
-        cond = next(c for c in status["conditions"] if c["type"] == TRANSPORT_VERIFIED)
-        stored = next((c for c in (previous or {}).get("conditions", []) or [] if c.get("type") == TRANSPORT_VERIFIED),
-                      None)
-        before = self._transport_status.get(key, stored.get("status") if stored else None)
-        self._transport_status[key] = cond["status"]
+        cond = condition(status, TRANSPORT_VERIFIED)
+        if cond is None:
+            return None
+        stored = condition(previous, TRANSPORT_VERIFIED)
+        before = self._transport_status.get(key, stored.status if stored else None)
+        self._transport_status[key] = cond.status
         return transport_event(before, cond)
 
     def forget(self, key: Key) -> None:
@@ -256,8 +257,3 @@ def _fresh(obj: Mapping[str, Any], seconds: float = 30) -> bool:
         return False
     created = dt.datetime.fromisoformat(str(ts).replace("Z", "+00:00"))
     return (dt.datetime.now(dt.timezone.utc) - created).total_seconds() < seconds
-
-
-def _same_status(previous: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
-    # Compare only what we own; other writers' keys (none expected) are left alone by a merge patch anyway.
-    return all(previous.get(k) == v for k, v in new.items())

@@ -16,13 +16,16 @@ Invariants:
   or a vendor connector without the plugin).
 - A condition's lastTransitionTime changes only when its status changes, so an unchanged world yields an
   identical status and the operator writes nothing.
+- `compute_status` returns the typed status (`api.DisaggregatedInferenceStatus`, the model the CRD's status
+  schema is generated from), so what the operator writes always fits the schema; it compares that model with
+  the stored one, parsed by the same model, and writes its `dump()` only when they differ.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import DisaggregatedInferenceSpec
+from .api import Condition, DisaggregatedInferenceSpec, DisaggregatedInferenceStatus, RoleStatus
 
 
 @dataclass(frozen=True)
@@ -161,13 +164,16 @@ def pod_problems(pod: dict[str, Any]) -> list[PodProblem]:
 
 
 def _cond(ctype: str, ok: bool | str, reason: str, message: str, generation: int,
-          previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
+          previous: dict[str, Condition], now: str) -> Condition:
     status = ok if isinstance(ok, str) else ("True" if ok else "False")
     prev = previous.get(ctype)
-    since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get("lastTransitionTime") \
-        else now
-    return {"type": ctype, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": since, "observedGeneration": generation}
+    since = prev.last_transition_time if prev and prev.status == status and prev.last_transition_time else now
+    return Condition(type=ctype, status=status, reason=reason, message=message, last_transition_time=since,
+                     observed_generation=generation)
+
+
+def condition(status: DisaggregatedInferenceStatus | None, ctype: str) -> Condition | None:
+    return next((c for c in status.conditions if c.type == ctype), None) if status else None
 
 
 TRANSPORT_VERIFIED = "TransportVerified"
@@ -235,15 +241,12 @@ def transport_verdict(spec: DisaggregatedInferenceSpec, report: TransportReport 
             f"{expected}, as requested")
 
 
-def transport_event(before: str | None, after: dict[str, Any]) -> tuple[str, str, str] | None:
+def transport_event(before: str | None, after: Condition) -> tuple[str, str, str] | None:
     """The Event to record when TransportVerified goes from status `before` to `after`: a Warning on every
     transition to False, a Normal event on every transition to True, nothing otherwise (Unknown is no news)."""
-    status = after["status"]
-    if status == before or status == "Unknown":
+    if after.status == before or after.status == "Unknown":
         return None
-    if status == "False":
-        return "Warning", after["reason"], after["message"]
-    return "Normal", after["reason"], after["message"]
+    return ("Warning" if after.status == "False" else "Normal"), after.reason, after.message
 
 
 def degradations(observed: Observed, failures: list[PodProblem]) -> list[tuple[str, str]]:
@@ -273,8 +276,8 @@ def degradations(observed: Observed, failures: list[PodProblem]) -> list[tuple[s
 
 
 def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: Observed, endpoint: str,
-                   previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
-    prev_conds = {c["type"]: c for c in (previous or {}).get("conditions", []) or []}
+                   previous: DisaggregatedInferenceStatus | None, now: str) -> DisaggregatedInferenceStatus:
+    prev_conds = {c.type: c for c in previous.conditions} if previous else {}
     roles = {"prefill": (spec.prefill.replicas, observed.prefill), "decode": (spec.decode.replicas, observed.decode)}
 
     pending = []
@@ -308,19 +311,19 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
                   f"serving {spec.served_name} at {endpoint}" if ready_ok else
                   (findings[0][1] if failures else "; ".join(pending)), generation, prev_conds, now)
 
-    def role_status(role: str) -> dict[str, int]:
+    def role_status(role: str) -> RoleStatus:
         want, st = roles[role]
-        return {"desired": want, "ready": st.ready, "updated": st.updated}
+        return RoleStatus(desired=want, ready=st.ready, updated=st.updated)
 
-    return {
-        "observedGeneration": generation,
-        "conditions": [ready, progressing, degraded, transport],
-        "prefill": role_status("prefill"),
-        "decode": role_status("decode"),
-        "prefillReady": f"{observed.prefill.ready}/{spec.prefill.replicas}",
-        "decodeReady": f"{observed.decode.ready}/{spec.decode.replicas}",
-        "endpoint": endpoint,
-        "connector": spec.connector,
-        "backend": spec.backend,
-        "mode": spec.kv_transfer.mode,
-    }
+    return DisaggregatedInferenceStatus(
+        observed_generation=generation,
+        conditions=[ready, progressing, degraded, transport],
+        prefill=role_status("prefill"),
+        decode=role_status("decode"),
+        prefill_ready=f"{observed.prefill.ready}/{spec.prefill.replicas}",
+        decode_ready=f"{observed.decode.ready}/{spec.decode.replicas}",
+        endpoint=endpoint,
+        connector=spec.connector,
+        backend=spec.backend,
+        mode=spec.kv_transfer.mode,
+    )

@@ -5,12 +5,12 @@ import asyncio
 
 import pytest
 
-from disagg.operator.api import DisaggregatedInferenceSpec
+from disagg.operator.api import Condition, DisaggregatedInferenceSpec, RoleStatus
 from disagg.operator.builders import OperatorImages
 from disagg.operator.reconciler import Coalescer, Reconciler
 from disagg.operator.status import (CreateFailure, EngineTransport, Observed, PodCreateEvent, PodProblem,
-                                    TransportReport, WorkloadState, compute_status, create_failure, pod_problems,
-                                    transport_event, transport_verdict, workload_state)
+                                    TransportReport, WorkloadState, compute_status, condition, create_failure,
+                                    pod_problems, transport_event, transport_verdict, workload_state)
 
 SPEC = DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {"profile": "nvidia-h200"},
                                                   "prefill": {"replicas": 2}})
@@ -19,14 +19,16 @@ SETTLED = Observed(prefill=WorkloadState(2, 2, 2, 2, True, True), decode=Workloa
 
 
 def conds(status):
-    return {c["type"]: c for c in status["conditions"]}
+    """The typed status's conditions by type, as the dicts the apiserver stores."""
+    return {c.type: c.dump() for c in status.conditions}
 
 
 def test_ready_only_when_every_role_and_router_settled():
     ok = compute_status(SPEC, 3, SETTLED, "http://e", None, "t1")
     assert conds(ok)["Ready"]["status"] == "True" and conds(ok)["Progressing"]["status"] == "False"
-    assert ok["prefill"] == {"desired": 2, "ready": 2, "updated": 2} and ok["prefillReady"] == "2/2"
-    assert ok["observedGeneration"] == 3 and ok["connector"] == "NixlPushConnector" and ok["backend"] == "LIBFABRIC"
+    assert ok.prefill == RoleStatus(desired=2, ready=2, updated=2) and ok.prefill_ready == "2/2"
+    assert ok.observed_generation == 3 and ok.connector == "NixlPushConnector" and ok.backend == "LIBFABRIC"
+    assert ok.dump()["prefill"] == {"desired": 2, "ready": 2, "updated": 2} and ok.dump()["prefillReady"] == "2/2"
     half = Observed(prefill=WorkloadState(2, 2, 1, 2, True, True), decode=SETTLED.decode, router=SETTLED.router)
     st = compute_status(SPEC, 3, half, "http://e", None, "t1")
     assert conds(st)["Ready"]["status"] == "False"
@@ -173,12 +175,13 @@ def test_transport_condition_is_stable_and_events_fire_once_per_transition():
     assert conds(fixed)["TransportVerified"]["lastTransitionTime"] == "t3"
     assert conds(fixed)["Degraded"]["lastTransitionTime"] == "t3"
 
-    bad, good = conds(first)["TransportVerified"], conds(fixed)["TransportVerified"]
-    assert transport_event(None, bad) == ("Warning", "TransportMismatch", bad["message"])
+    bad, good = condition(first, "TransportVerified"), condition(fixed, "TransportVerified")
+    assert transport_event(None, bad) == ("Warning", "TransportMismatch", bad.message)
     assert transport_event("Unknown", bad)[0] == "Warning"
     assert transport_event("False", bad) is None
-    assert transport_event("False", good) == ("Normal", "TransportMatches", good["message"])
-    assert transport_event("True", {"status": "Unknown", "reason": "RendezvousUnreachable", "message": ""}) is None
+    assert transport_event("False", good) == ("Normal", "TransportMatches", good.message)
+    assert transport_event("True", Condition(type="TransportVerified", status="Unknown",
+                                             reason="RendezvousUnreachable")) is None
 
     # The reconciler remembers what it published: a second pass reading a status that lags its own write must
     # not repeat the Warning; a restarted operator takes the stored status as its memory.
