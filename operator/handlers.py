@@ -330,9 +330,9 @@ def _register_child(kind: str, group: str, version: str, plural: str) -> None:
         if type == "DELETED" and not await reconciler.exists(namespace, owner):
             return  # the garbage collector is removing the children of a deleted CR: do not recreate them
         # Our own apply echoing back, or a status-only change: refresh status. Anything else (a hand edit, a
-        # deletion) means the child no longer matches the spec: put it back.
-        own = type != "DELETED" and reconciler.is_own_echo(kind, dict(body))
-        await run_pass(memo, namespace, owner, full=not own, trigger=f"{kind}-event", logger=logger,
+        # deletion) means the child no longer matches the spec: put it back (the plan applies it).
+        changed = reconciler.child_changed(kind, dict(body), deleted=type == "DELETED")
+        await run_pass(memo, namespace, owner, full=changed, trigger=f"{kind}-event", logger=logger,
                        **_indexes(memo, kw))
 
 

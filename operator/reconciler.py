@@ -27,12 +27,12 @@ from .builders import OperatorImages, build_children, endpoint_url
 from .meta import cr_name as meta_name
 from .meta import namespace_of as meta_namespace
 from .meta import object_meta
+from .plan import Applied, ChildKey, child_marker, digest, plan_children
 from .status import TRANSPORT_VERIFIED, Observed, compute_status, condition, transport_event
 
 FIELD_MANAGER = "disagg-operator"
 
 Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
-ChildKey = tuple[str, str, str]  # (kind, namespace, name)
 
 
 @dataclass
@@ -44,13 +44,6 @@ class ApplyOutcome:
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-def child_marker(obj: Mapping[str, Any]) -> str:
-    """What identifies our own write of a child: its generation where it has one (spec changes only), else
-    its resourceVersion."""
-    meta = obj.get("metadata", {})
-    return f"g{meta['generation']}" if meta.get("generation") else f"rv{meta.get('resourceVersion')}"
 
 
 class Coalescer:
@@ -86,8 +79,9 @@ class Reconciler:
         self.namespaces = set(namespaces) if namespaces else None
         self.log = logger or logging.getLogger("disagg.operator")
         self.coalescer = Coalescer()
-        # What our last apply of each child produced: a later event with the same marker is our own echo.
-        self.applied: dict[ChildKey, str] = {}
+        # What our last apply of each child sent and produced: a later event with the same marker is our own echo.
+        self.applied: dict[ChildKey, Applied] = {}
+        self._drifted: set[ChildKey] = set()  # children the watch saw change under us since we applied them
         self._token_secrets: set[str] = set()  # CR uids whose token Secret is known to exist
         self.bindings = BindingCollector(client, self.namespaces, self.log)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
@@ -117,14 +111,17 @@ class Reconciler:
             binding = names.rendezvous_binding_name(meta_namespace(cr), meta_name(cr))
             if ("ClusterRoleBinding", "", binding) in self.applied:  # switched from kubernetes: revoke it now
                 await self.collect_bindings(only=(meta_namespace(cr), meta_name(cr)))
-        for obj in build_children(cr, images=self.images):
-            kind, ns, name = obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
-            key = (kind, ns, name)
-            before = self.applied.get(key)
+        plan = plan_children(build_children(cr, images=self.images), self.applied, self._drifted, thorough)
+        outcome.unchanged += plan.skipped
+        for step in plan.to_apply:
+            kind, ns, name = step.key
+            before = self.applied.get(step.key)
+            self._drifted.discard(step.key)
             t0 = time.monotonic()
             try:
-                res = await self._apply(obj)
+                after_obj, created = await self._apply(step.obj)
             except ApiError as e:
+                self._drifted.add(step.key)  # still to be applied
                 metrics.API_ERRORS.labels(kind=kind, verb="apply").inc()
                 hint = ""
                 if e.status.code == 403 and kind in ("ServiceAccount", "ClusterRoleBinding"):
@@ -135,13 +132,11 @@ class Reconciler:
                                   e.status.code) from e
             finally:
                 metrics.API_SECONDS.labels(verb="apply").observe(time.monotonic() - t0)
-            after_obj = res.to_dict() if hasattr(res, "to_dict") else dict(res)
             after = child_marker(after_obj)
-            self.applied[key] = after
-            if after_obj["metadata"].get("generation") == 1 and before is None and \
-                    after_obj["metadata"].get("resourceVersion") and _fresh(after_obj):
+            self.applied[step.key] = Applied(digest(step.obj), after)
+            if created:
                 outcome.created.append(f"{kind}/{name}")
-            elif before is not None and before != after:
+            elif before is not None and before.marker != after:
                 outcome.updated.append(f"{kind}/{name}")
             else:
                 outcome.unchanged += 1
@@ -177,10 +172,11 @@ class Reconciler:
             self.applied.pop(("ClusterRoleBinding", "", name), None)
         return deleted
 
-    async def _apply(self, obj: dict[str, Any]):
+    async def _apply(self, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Server-side apply with force. Returns what the apiserver stored and whether this apply created it."""
         resource = codecs.from_dict(obj)
         try:
-            return await self.client.apply(resource, field_manager=FIELD_MANAGER, force=True)
+            return await self._server_side_apply(resource)
         except ApiError as e:
             if e.status.code != 422:
                 raise
@@ -191,7 +187,19 @@ class Reconciler:
                       obj["kind"], obj["metadata"]["name"])
         await self.client.patch(type(resource), obj["metadata"]["name"], obj, namespace=obj["metadata"].get("namespace"),
                                 patch_type=PatchType.MERGE, field_manager=FIELD_MANAGER)
-        return await self.client.apply(resource, field_manager=FIELD_MANAGER, force=True)
+        return await self._server_side_apply(resource)
+
+    async def _server_side_apply(self, resource: Any) -> tuple[dict[str, Any], bool]:
+        """lightkube's apply, on its generic client (same connection, same credentials), keeping the one thing
+        lightkube drops: the status code. An apply that creates the object answers 201 Created."""
+        generic = self.client._client
+        request = generic.prepare_request(
+            "patch", res=type(resource), obj=resource, name=resource.metadata.name,
+            namespace=getattr(resource.metadata, "namespace", None),
+            headers={"Content-Type": PatchType.APPLY.value}, params={"force": "true", "fieldManager": FIELD_MANAGER})
+        response = await generic.send(generic.build_adapter_request(request))
+        result = generic.handle_response("patch", response, request)
+        return (result.to_dict() if hasattr(result, "to_dict") else dict(result)), response.status_code == 201
 
     async def exists(self, namespace: str, name: str) -> bool:
         """Ask the apiserver, not the watch cache: a deletion may not have reached our index yet."""
@@ -204,8 +212,19 @@ class Reconciler:
         return obj.metadata.deletionTimestamp is None
 
     def is_own_echo(self, kind: str, body: Mapping[str, Any]) -> bool:
+        """Whether a watch event on a child shows exactly what our last apply of it produced."""
         meta = body.get("metadata", {})
-        return self.applied.get((kind, meta.get("namespace", ""), meta.get("name", ""))) == child_marker(body)
+        last = self.applied.get((kind, meta.get("namespace") or "", meta.get("name", "")))
+        return last is not None and last.marker == child_marker(body)
+
+    def child_changed(self, kind: str, body: Mapping[str, Any], deleted: bool = False) -> bool:
+        """Note a child's watch event. Returns whether it changed under us (deleted, or not our own echo); such a
+        child is applied by the next full pass even though its manifest did not change."""
+        if not deleted and self.is_own_echo(kind, body):
+            return False
+        meta = body.get("metadata", {})
+        self._drifted.add((kind, meta.get("namespace") or "", meta.get("name", "")))
+        return True
 
     # -- status ------------------------------------------------------------------------------------------
     async def publish_status(self, cr: api.DisaggregatedInference,
@@ -249,11 +268,3 @@ class ApplyFailed(RuntimeError):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
-
-
-def _fresh(obj: Mapping[str, Any], seconds: float = 30) -> bool:
-    ts = obj.get("metadata", {}).get("creationTimestamp")
-    if not ts:
-        return False
-    created = dt.datetime.fromisoformat(str(ts).replace("Z", "+00:00"))
-    return (dt.datetime.now(dt.timezone.utc) - created).total_seconds() < seconds
