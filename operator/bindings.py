@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
@@ -43,7 +44,7 @@ class BindingCollector:
         resourceVersion as preconditions, so a binding re-applied meanwhile (a CR recreated under the same
         name) is left alone. `needed`: CRs known (from the watch index) to use auth kubernetes, whose bindings
         are kept without asking the apiserver. Returns the names deleted."""
-        selector = {names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_COMPONENT: names.RENDEZVOUS}
+        selector: dict[str, Any] = {names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_COMPONENT: names.RENDEZVOUS}
         if only is not None:
             selector.update({names.LABEL_CR_NAMESPACE: only[0], names.LABEL_INSTANCE: only[1]})
         t0 = time.monotonic()
@@ -67,6 +68,8 @@ class BindingCollector:
                     await self.needs_binding(*owner):
                 continue
             meta = binding.metadata
+            if meta is None or not (meta.name and meta.uid and meta.resourceVersion):
+                continue  # owner() found a name; the apiserver always sets uid and resourceVersion
             try:
                 await self.delete_exact(ClusterRoleBinding, meta.name, meta.uid, meta.resourceVersion)
             except ApiError as e:
@@ -82,6 +85,8 @@ class BindingCollector:
     def owner(self, binding: ClusterRoleBinding) -> Key | None:
         """The (namespace, name) of the CR a binding was made for, or None when it is not one of ours."""
         meta = binding.metadata
+        if meta is None:
+            return None
         namespace, _, name = (meta.annotations or {}).get(names.OWNER_ANNOTATION, "").partition("/")
         if not namespace or not name or (meta.labels or {}).get(names.LABEL_CR_NAMESPACE) != namespace:
             return None
@@ -100,10 +105,12 @@ class BindingCollector:
             if e.status.code == 404:
                 return False
             raise
-        if obj.metadata.deletionTimestamp is not None:
+        if obj.metadata is not None and obj.metadata.deletionTimestamp is not None:
             return False
-        # The CRD defaults the field; an object stored before it existed reads as the default, kubernetes.
-        return ((obj.get("spec") or {}).get("rendezvous") or {}).get("auth", "kubernetes") == "kubernetes"
+        # Only the field that decides, parsed by its model: an object stored before the field existed reads as the
+        # model's (and the CRD's) default, kubernetes.
+        rendezvous = api.RendezvousSpec.model_validate((obj.get("spec") or {}).get("rendezvous") or {})
+        return rendezvous.auth == "kubernetes"
 
     async def delete_exact(self, res: type, name: str, uid: str, resource_version: str) -> None:
         """DELETE with DeleteOptions preconditions (lightkube's delete sends no body, so build the request on
@@ -114,7 +121,7 @@ class BindingCollector:
                         "preconditions": {"uid": uid, "resourceVersion": resource_version}}
         t0 = time.monotonic()
         try:
-            response = await generic.send(generic.build_adapter_request(request))
+            response = await generic.send(generic.build_adapter_request(request))  # type: ignore[no-untyped-call]
             generic.handle_response("delete", response, request)
         finally:
             metrics.API_SECONDS.labels(verb="delete").observe(time.monotonic() - t0)

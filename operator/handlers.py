@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import datetime as dt
 import logging
 import os
 import time
@@ -34,12 +35,20 @@ from typing import Any, Callable
 import kopf
 from pydantic import ValidationError
 
-import datetime as dt
-
 from . import api, metrics, names
 from .reconciler import ApplyFailed, Reconciler
-from .status import (FAILED_CREATE, SUCCESSFUL_CREATE, CreateFailure, Observed, PodCreateEvent, TransportReport,
-                     WorkloadState, create_failure, pod_problems, workload_state)
+from .status import (
+    FAILED_CREATE,
+    SUCCESSFUL_CREATE,
+    CreateFailure,
+    Observed,
+    PodCreateEvent,
+    TransportReport,
+    WorkloadState,
+    create_failure,
+    pod_problems,
+    workload_state,
+)
 from .transport import TransportPoller
 
 INSTANCE = "app.kubernetes.io/instance"
@@ -136,7 +145,8 @@ def observe(namespace: str, name: str, sts: kopf.Index, deploys: kopf.Index, pod
     roles = {role: _one(sts, (namespace, name, role)) for role in names.ENGINE_ROLES}
     failures = []
     for role, state in roles.items():
-        events = tuple((sts_events or {}).get((namespace, names.engine_name(name, role))) or ())
+        store = sts_events.get((namespace, names.engine_name(name, role))) if sts_events is not None else None
+        events = tuple(store or ())
         if (message := create_failure(state, events)) is not None:
             failures.append(CreateFailure(role, message))
     return Observed(prefill=roles["prefill"], decode=roles["decode"], router=_one(deploys, (namespace, name, "router")),

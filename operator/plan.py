@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 ChildKey = tuple[str, str, str]  # (kind, namespace, name); namespace "" for cluster-scoped children
 Why = Literal["new", "changed", "drifted", "verify", "unchanged"]

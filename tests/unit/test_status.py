@@ -8,9 +8,22 @@ import pytest
 from disagg.operator.api import Condition, DisaggregatedInferenceSpec, RoleStatus
 from disagg.operator.builders import OperatorImages
 from disagg.operator.reconciler import Coalescer, Reconciler
-from disagg.operator.status import (CreateFailure, EngineTransport, Observed, PodCreateEvent, PodProblem,
-                                    TransportReport, WorkloadState, compute_status, condition, create_failure,
-                                    pod_problems, transport_event, transport_verdict, workload_state)
+from disagg.operator.status import (
+    CreateFailure,
+    EngineTransport,
+    Observed,
+    PodCreateEvent,
+    PodProblem,
+    TransportReport,
+    WorkloadState,
+    compute_status,
+    condition,
+    create_failure,
+    pod_problems,
+    transport_event,
+    transport_verdict,
+    workload_state,
+)
 
 SPEC = DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {"profile": "nvidia-h200"},
                                                   "prefill": {"replicas": 2}})
@@ -216,7 +229,8 @@ def test_unschedulable_pods_make_the_cr_degraded_with_their_count_and_the_schedu
                        router=SETTLED.router, problems=problems)
     st = conds(compute_status(SPEC, 1, rolling, "e", None, "t"))
     assert (st["Degraded"]["status"], st["Degraded"]["reason"]) == ("True", "Unschedulable")
-    assert st["Degraded"]["message"] == f"11 engine pods cannot be scheduled (3 prefill, 8 decode); m-decode-0: {SCHED_MSG}"
+    assert st["Degraded"]["message"] == \
+        f"11 engine pods cannot be scheduled (3 prefill, 8 decode); m-decode-0: {SCHED_MSG}"
     # Not an engine failure: Ready says replicas are not ready, and the rollout is still what Progressing reports.
     assert (st["Ready"]["status"], st["Ready"]["reason"]) == ("False", "ReplicasNotReady")
     assert (st["Progressing"]["status"], st["Progressing"]["reason"]) == ("True", "RollingOut")
@@ -226,7 +240,8 @@ def event(uid: str, reason: str, at: float, message: str = "") -> PodCreateEvent
     return PodCreateEvent(uid, reason, message or f"{reason} at {at}", at)
 
 
-FAILED = "Create Pod m-prefill-1 in StatefulSet m-prefill failed error: pods \"m-prefill-1\" is forbidden: exceeded quota"
+FAILED = ("Create Pod m-prefill-1 in StatefulSet m-prefill failed error: pods \"m-prefill-1\" is forbidden: "
+          "exceeded quota")
 SHORT = WorkloadState(desired=2, replicas=1, ready=1, updated=1, exists=True, uid="u1")
 
 
@@ -270,5 +285,6 @@ def test_failed_creation_and_refused_children_make_the_cr_degraded():
                     transport=report(("a-0", "prefill", "UCX")))
     st = conds(compute_status(SPEC, 1, both, "e", None, "t"))
     assert st["Degraded"]["reason"] == "EngineFailed"
-    assert st["Degraded"]["message"] == "decode pod m-decode-0: no EFA (also: ApplyFailed, FailedCreate, TransportMismatch)"
+    assert st["Degraded"]["message"] == \
+        "decode pod m-decode-0: no EFA (also: ApplyFailed, FailedCreate, TransportMismatch)"
     assert (st["Ready"]["reason"], st["Ready"]["message"]) == ("EngineFailed", "decode pod m-decode-0: no EFA")
