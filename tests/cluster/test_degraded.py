@@ -86,8 +86,10 @@ def test_engine_pods_the_scheduler_cannot_place_make_the_cr_degraded(cluster, op
 def test_engine_pods_the_statefulset_cannot_create_make_the_cr_degraded(cluster, operator, namespace):
     quota(cluster, namespace, "no-gpus", {"requests.nvidia.com/gpu": "0"})
     name = create(cluster, namespace, small("quota"))
-    dinf = watch_until(cluster, Dinf, name, degraded("FailedCreate"), namespace=namespace, timeout=60,
-                       what="Degraded FailedCreate")
+    # Both StatefulSets fail; their Events arrive one after the other, so await the condition naming both.
+    dinf = watch_until(cluster, Dinf, name, lambda d: degraded("FailedCreate")(d) and "prefill and decode" in
+                       cond(d, "Degraded")["message"], namespace=namespace, timeout=60,
+                       what="Degraded FailedCreate for both roles")
     message = cond(dinf, "Degraded")["message"]
     # The StatefulSet controller's own Event message: which pod, which StatefulSet, and the apiserver's refusal.
     assert message.startswith("the prefill and decode StatefulSets cannot create their pods: Create Pod "
