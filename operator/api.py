@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from . import names
 from .profiles import GPU, PROFILES
 
 GROUP = "serving.disagg.io"
@@ -26,6 +27,11 @@ PULL_CONNECTOR = "NixlConnector"
 PLUGIN_CONNECTORS = frozenset({PUSH_CONNECTOR, PULL_CONNECTOR, "NixlPullConnector"})
 """The vLLM connector classes `disagg.connector.plugin` wraps under the same names. Only these engines load the
 plugin (and so advertise themselves and report their transport); a vendor connector runs as vLLM ships it."""
+PUSH_CONNECTORS = frozenset({PUSH_CONNECTOR})
+"""The connectors that do push-mode transfer (decode pre-registers, prefill WRITEs). Every other connector, the
+plugin's pull classes and vendor connectors such as NeuronNixlConnector alike, is read by decode after prefill
+returns: pull mode. The router's protocol follows `mode`, so the two must agree."""
+MAX_ENGINE_REPLICAS = 1000
 
 
 def _cel(rule: str, message: str | None = None, *, message_expression: str | None = None,
@@ -175,13 +181,21 @@ class KVTransferSpec(Model):
         _cel("!(self.mode == 'push' && self.bidirectional)",
              "push mode does not support bidirectional KV transfer; set spec.kvTransfer.mode: pull or "
              "bidirectional: false", field_path=".bidirectional"),
+        _cel(f"!has(self.connector) || (self.mode == 'push') == (self.connector in {sorted(PUSH_CONNECTORS)})",
+             message_expression=_fmt(
+                 "%s does not do %s-mode KV transfer (spec.kvTransfer.mode: %s); push needs %s, pull any other "
+                 "connector (NixlConnector, NixlPullConnector or a vendor pull connector); or leave connector unset "
+                 "for the mode's default",
+                 "self.connector", "self.mode", "self.mode", f"'{' or '.join(sorted(PUSH_CONNECTORS))}'"),
+             field_path=".connector"),
     ]})
     mode: Literal["push", "pull"] = "push"
     """`push`: decode pre-registers its blocks and prefill WRITEs KV as soon as it finishes (NixlPushConnector).
     `pull`: decode READs KV after prefill returns (NixlConnector)."""
     connector: str | None = Field(default=None, min_length=1)
     """vLLM KV connector class. Defaults to NixlPushConnector (push) or NixlConnector (pull); override for
-    vendor connectors such as Neuron's NeuronNixlConnector."""
+    vendor connectors such as Neuron's NeuronNixlConnector. It must agree with `mode`: push needs
+    NixlPushConnector, pull any other connector (NixlConnector, NixlPullConnector, a vendor pull connector)."""
     backend: Literal["LIBFABRIC", "UCX"] | None = None
     """NIXL transport backend. Defaults to LIBFABRIC when EFA is in use, UCX otherwise."""
     bidirectional: bool = False
@@ -248,7 +262,7 @@ class ResourceOverrides(Model):
 class RoleSpec(Model):
     """One role's engines (prefill or decode)."""
 
-    replicas: int = Field(default=1, ge=0, le=1000)
+    replicas: int = Field(default=1, ge=0, le=MAX_ENGINE_REPLICAS)
     """Number of engine pods."""
     tensor_parallel_size: int = Field(default=1, ge=1, le=128)
     """Tensor parallel size (`--tensor-parallel-size`); must fit in one node."""
@@ -464,6 +478,29 @@ class DisaggregatedInferenceStatus(Model):
     """Prefill ready/desired, for the printer column."""
     decode_ready: str | None = None
     """Decode ready/desired, for the printer column."""
+
+
+NAME_LIMIT = names.max_cr_name_length(MAX_ENGINE_REPLICAS)
+"""The longest CR name whose children are all valid (derived in names.py from every name the operator makes)."""
+
+
+def _name_shape(limit: names.NameLimit) -> str:
+    return limit.binding.value.replace("a" * limit.length, "<name>", 1).replace(
+        "0" * names.REVISION_HASH_MAX, f"<{names.REVISION_HASH_MAX}-character hash>")
+
+
+NAME_RULES = [
+    _cel(f"self.size() <= {NAME_LIMIT.length}",
+         message_expression=_fmt(
+             f"must be at most {NAME_LIMIT.length} characters, got %d: children are named after it, and the "
+             f"longest, the {NAME_LIMIT.binding.what} {_name_shape(NAME_LIMIT)}, may have at most "
+             f"{NAME_LIMIT.binding.limit} characters", "self.size()")),
+    _cel(f"self.matches('{names.CR_NAME_PATTERN}')",
+         "must consist of lowercase letters, digits and '-', start with a letter and end with a letter or digit: "
+         "children are Services named after it (<name>-router), which must be DNS-1035 labels"),
+]
+"""CEL rules on metadata.name (crdgen puts them in the CRD), so a CR whose children could never be created is
+rejected at admission."""
 
 
 class DisaggregatedInference(Model):

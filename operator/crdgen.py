@@ -8,7 +8,7 @@ either drifts.
 Gotchas the real apiserver enforces (each found by installing the CRD, and each covered by a test):
 - a `default` is checked against its object's CEL rules without the nested defaults applied, so nested objects
   get their full default value, not `{}`;
-- root `metadata` may carry nothing but `type` (no description);
+- root `metadata` may carry nothing but `type` and a schema for `name` (no description);
 - int-or-string is the bare `x-kubernetes-int-or-string` extension (no type, no enum), and CEL sees it as dyn;
 - a messageExpression that concatenates `string(<int>)` exceeds the cost budget 100x: see `api._fmt`.
 """
@@ -122,8 +122,10 @@ def openapi_schema() -> dict[str, Any]:
     props = schema["properties"]
     props["apiVersion"] = {"type": "string", "description": props["apiVersion"]["description"]}
     props["kind"] = {"type": "string", "description": props["kind"]["description"]}
-    # The apiserver forbids anything but `type` here (even a description); it documents ObjectMeta itself.
-    props["metadata"] = {"type": "object"}
+    # The apiserver forbids anything here but `type` and a schema for `name` (or `generateName`), not even a
+    # description; it documents ObjectMeta itself. The name's rules reject CRs whose children would be invalid.
+    props["metadata"] = {"type": "object", "properties": {"name": {"type": "string",
+                                                                   "x-kubernetes-validations": api.NAME_RULES}}}
     schema["required"] = ["spec"]
     conditions = props["status"]["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"

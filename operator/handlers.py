@@ -5,6 +5,9 @@ Triggers:
 - the CR is created, changed, or found at start-up (resume) → full pass (apply children, then status);
 - a child changed and it is not the echo of our own apply (a hand edit, a deletion) → full pass;
 - a child's status changed, or an engine pod's state changed → status pass;
+- the StatefulSet controller failed to create an engine pod (a FailedCreate Event on an engine StatefulSet) →
+  status pass. StatefulSet status has no condition for that, so the operator watches the Events involving
+  StatefulSets (a server-side field selector, set in run.py) and keeps the pod-creation ones in an index;
 - a periodic resync → full pass (drift correction; writes nothing when nothing drifted);
 - the engines' reported transport changed in the deployment's rendezvous → status pass. A poll loop reads
   every deployment's rendezvous in the background (transport.py); passes only read its cached answers.
@@ -22,17 +25,30 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import datetime as dt
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import kopf
 from pydantic import ValidationError
 
-from . import api, metrics
+from . import api, metrics, names
 from .reconciler import ApplyFailed, Reconciler
-from .status import Observed, TransportReport, WorkloadState, pod_problems, workload_state
+from .status import (
+    FAILED_CREATE,
+    SUCCESSFUL_CREATE,
+    CreateFailure,
+    Observed,
+    PodCreateEvent,
+    TransportReport,
+    WorkloadState,
+    create_failure,
+    pod_problems,
+    workload_state,
+)
 from .transport import TransportPoller
 
 INSTANCE = "app.kubernetes.io/instance"
@@ -50,11 +66,32 @@ RESYNC_SECONDS = float(os.environ.get("DISAGG_RESYNC_SECONDS", "300"))
 
 
 # -- indexes: kopf keeps these current from its watches, so status needs no list calls ----------------------
+@dataclass(frozen=True)
+class IndexedCR:
+    """A DisaggregatedInference as the watch last saw it: parsed once per change, so every pass and loop reads
+    the typed spec. `cr` is None exactly when the stored object does not parse (`error` says why)."""
+
+    body: dict[str, Any]  # what Events are posted against
+    cr: api.DisaggregatedInference | None
+    error: str | None = None
+
+    @property
+    def deleting(self) -> bool:
+        return bool(self.body["metadata"].get("deletionTimestamp"))
+
+
+def parse_cr(body: dict[str, Any]) -> IndexedCR:
+    try:
+        return IndexedCR(body, api.DisaggregatedInference.model_validate(body))
+    except ValidationError as e:
+        return IndexedCR(body, None, _first_error(e))
+
+
 @kopf.index(*CR)
 def dinf_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                                "metadata": dict(body.metadata), "spec": dict(body.spec),
-                                "status": dict(body.get("status") or {})}}
+    return {(namespace, name): parse_cr({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                                         "metadata": dict(body.metadata), "spec": dict(body.spec),
+                                         "status": dict(body.get("status") or {})})}
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
@@ -73,47 +110,83 @@ def pod_problem_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_:
     return {(namespace, labels.get(INSTANCE, "")): tuple(problems)} if problems else None
 
 
+STATEFULSET_EVENTS = "involvedObject.kind=StatefulSet"  # the server-side field selector on Events (run.py)
+
+
+def _event_time(body: Any) -> float:
+    """When an Event last happened: its series' last observation, else lastTimestamp, else eventTime, else its
+    creation."""
+    stamp = ((body.get("series") or {}).get("lastObservedTime") or body.get("lastTimestamp") or body.get("eventTime")
+             or (body.get("metadata") or {}).get("creationTimestamp"))
+    if not stamp:
+        return 0.0
+    return dt.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+
+
+@kopf.index("", "v1", "events", field="involvedObject.kind", value="StatefulSet")
+def sts_event_index(namespace: str, body: kopf.Body, **_: Any) -> dict | None:
+    """The StatefulSet controller's pod-creation Events, by (namespace, StatefulSet name)."""
+    if body.get("reason") not in (FAILED_CREATE, SUCCESSFUL_CREATE):
+        return None
+    involved = body.get("involvedObject") or {}
+    return {(namespace, involved.get("name", "")): PodCreateEvent(
+        str(involved.get("uid") or ""), str(body.get("reason")), str(body.get("message") or ""), _event_time(body))}
+
+
 def _one(index: kopf.Index, key: tuple) -> WorkloadState:
     store = index.get(key)
     return next(iter(store), WorkloadState()) if store else WorkloadState()
 
 
 def observe(namespace: str, name: str, sts: kopf.Index, deploys: kopf.Index, pods: kopf.Index,
-            transport: TransportReport | None = None) -> Observed:
+            transport: TransportReport | None = None, sts_events: kopf.Index | None = None,
+            apply_error: str | None = None) -> Observed:
     problems = tuple(p for group in (pods.get((namespace, name)) or ()) for p in group)
-    return Observed(prefill=_one(sts, (namespace, name, "prefill")), decode=_one(sts, (namespace, name, "decode")),
-                    router=_one(deploys, (namespace, name, "router")), problems=problems, transport=transport)
+    roles = {role: _one(sts, (namespace, name, role)) for role in names.ENGINE_ROLES}
+    failures = []
+    for role, state in roles.items():
+        store = sts_events.get((namespace, names.engine_name(name, role))) if sts_events is not None else None
+        events = tuple(store or ())
+        if (message := create_failure(state, events)) is not None:
+            failures.append(CreateFailure(role, message))
+    return Observed(prefill=roles["prefill"], decode=roles["decode"], router=_one(deploys, (namespace, name, "router")),
+                    problems=problems, transport=transport, create_failures=tuple(failures), apply_error=apply_error)
 
 
 # -- the passes -----------------------------------------------------------------------------------------
 async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, trigger: str,
                    dinf_index: kopf.Index, sts_index: kopf.Index, deploy_index: kopf.Index,
-                   pod_problem_index: kopf.Index, logger) -> None:
+                   pod_problem_index: kopf.Index, sts_event_index: kopf.Index, logger) -> None:
     reconciler: Reconciler = memo.reconciler
     transports: TransportPoller = memo.transports
     key = (namespace, name)
 
     async def one_pass(full: bool) -> None:
         store = dinf_index.get(key)
-        body = next(iter(store), None) if store else None
-        if body is None or body["metadata"].get("deletionTimestamp"):
+        entry: IndexedCR | None = next(iter(store), None) if store else None
+        if entry is None or entry.deleting:
             transports.forget(key)
             reconciler.forget(key)
             return  # deleted: owner references make the garbage collector remove the children
         t0 = time.monotonic()
-        try:
-            cr = api.DisaggregatedInference.model_validate(body)
-        except ValidationError as e:
+        body, cr = entry.body, entry.cr
+        if cr is None:
             metrics.RECONCILES.labels(trigger=trigger, result="invalid").inc()
-            kopf.warn(body, reason="InvalidSpec", message=_first_error(e))
-            raise kopf.PermanentError(f"invalid spec: {_first_error(e)}")
-        try:
-            # The index can lag a deletion; applying then would recreate children the garbage collector is
-            # removing (owned by a deleted UID). Ask the apiserver before any pass that may create.
-            if full and not await reconciler.exists(namespace, name):
-                return
-            if full:
+            kopf.warn(body, reason="InvalidSpec", message=str(entry.error))
+            raise kopf.PermanentError(f"invalid spec: {entry.error}")
+        # The index can lag a deletion; applying then would recreate children the garbage collector is
+        # removing (owned by a deleted UID). Ask the apiserver before any pass that may create.
+        if full and not await reconciler.exists(namespace, name):
+            return
+        failed: ApplyFailed | None = None
+        if full:
+            try:
                 outcome = await reconciler.apply_children(cr, thorough=trigger == "resync")
+            except ApplyFailed as e:
+                if e.code == 403 and "being terminated" in str(e):
+                    return  # the namespace is going away with the CR in it; nothing to converge to
+                failed = e
+            else:
                 for ref in outcome.created:
                     metrics.CHILD_WRITES.labels(kind=ref.split("/")[0], change="created").inc()
                 for ref in outcome.updated:
@@ -122,22 +195,22 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
                     post_event(memo, kopf.info, body, "Created", "created " + ", ".join(outcome.created))
                 if outcome.updated:
                     post_event(memo, kopf.info, body, "Updated", "updated " + ", ".join(outcome.updated))
-            report = None
-            if cr.spec.uses_plugin:
-                transports.request(key)  # in the background, when the cached answer is old or missing
-                report = transports.report(key)
-            observed = observe(namespace, name, sts_index, deploy_index, pod_problem_index, report)
-            status = await reconciler.publish_status(cr, body, observed)
-            event = reconciler.transport_event(key, body.get("status"), status) if status is not None else None
-            if event is not None:
-                kind, reason, message = event
-                post_event(memo, kopf.warn if kind == "Warning" else kopf.info, body, reason, message)
-        except ApplyFailed as e:
-            if e.code == 403 and "being terminated" in str(e):
-                return  # the namespace is going away with the CR in it; nothing to converge to
+        report = None
+        if cr.spec.uses_plugin:
+            transports.request(key)  # in the background, when the cached answer is old or missing
+            report = transports.report(key)
+        # A refused child stays in Degraded (reconciler.apply_error) until a full pass applies every child.
+        observed = observe(namespace, name, sts_index, deploy_index, pod_problem_index, report, sts_event_index,
+                           reconciler.apply_error(key))
+        status = await reconciler.publish_status(cr, observed)
+        event = reconciler.transport_event(key, cr.status, status) if status is not None else None
+        if event is not None:
+            kind, reason, message = event
+            post_event(memo, kopf.warn if kind == "Warning" else kopf.info, body, reason, message)
+        if failed is not None:
             metrics.RECONCILES.labels(trigger=trigger, result="error").inc()
-            kopf.exception(body, reason="ApplyFailed", message=str(e))
-            raise kopf.TemporaryError(str(e), delay=10 if e.code != 403 else 60)
+            kopf.exception(body, reason="ApplyFailed", message=str(failed))
+            raise kopf.TemporaryError(str(failed), delay=10 if failed.code != 403 else 60)
         metrics.RECONCILES.labels(trigger=trigger, result="ok").inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - t0)
 
@@ -174,16 +247,18 @@ async def dinf_changed(namespace: str, name: str, memo: kopf.Memo, logger, reaso
 def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> dict[str, Any]:
     # Index objects are live views; the resync loop keeps a reference to reach them between events. kopf
     # hands each object a shallow copy of the memo, so the reference goes into a dict they all share.
-    indexes = {k: kw[k] for k in ("dinf_index", "sts_index", "deploy_index", "pod_problem_index")}
+    indexes = {k: kw[k] for k in ("dinf_index", "sts_index", "deploy_index", "pod_problem_index",
+                                  "sts_event_index")}
     memo.shared["indexes"] = indexes
     memo.shared["context"] = contextvars.copy_context()  # for post_event outside handlers
     return indexes
 
 
 def _needs_binding(index: kopf.Index) -> set[tuple[str, str]]:
-    """CRs the watch index knows with auth kubernetes (the default)."""
-    return {key for key, store in index.items() for body in store
-            if ((body.get("spec") or {}).get("rendezvous") or {}).get("auth", "kubernetes") == "kubernetes"}
+    """CRs the watch index knows with auth kubernetes (the default). One that does not parse keeps its binding:
+    nothing proves it does not need one."""
+    return {key for key, store in index.items() for entry in store
+            if entry.cr is None or entry.cr.spec.rendezvous.auth == "kubernetes"}
 
 
 async def collect_bindings(memo: kopf.Memo, logger, only: tuple[str, str] | None = None) -> None:
@@ -248,10 +323,9 @@ async def poll_transports_forever(memo: kopf.Memo, interval: float) -> None:
         for key in transports.keys() - set(indexes["dinf_index"].keys()):
             transports.forget(key)
         for key, store in list(indexes["dinf_index"].items()):
-            body = next(iter(store), None)
-            if body is not None and (body.get("spec") or {}).get("kvTransfer", {}).get("connector") not in \
-                    (None, *api.PLUGIN_CONNECTORS):
-                continue  # a vendor connector: its engines never report a transport
+            entry: IndexedCR | None = next(iter(store), None)
+            if entry is None or entry.cr is None or not entry.cr.spec.uses_plugin:
+                continue  # unparsable, or a vendor connector: its engines never report a transport
             transports.request(key, force=True)
 
 
@@ -266,14 +340,27 @@ def _register_child(kind: str, group: str, version: str, plural: str) -> None:
         if type == "DELETED" and not await reconciler.exists(namespace, owner):
             return  # the garbage collector is removing the children of a deleted CR: do not recreate them
         # Our own apply echoing back, or a status-only change: refresh status. Anything else (a hand edit, a
-        # deletion) means the child no longer matches the spec: put it back.
-        own = type != "DELETED" and reconciler.is_own_echo(kind, dict(body))
-        await run_pass(memo, namespace, owner, full=not own, trigger=f"{kind}-event", logger=logger,
+        # deletion) means the child no longer matches the spec: put it back (the plan applies it).
+        changed = reconciler.child_changed(kind, dict(body), deleted=type == "DELETED")
+        await run_pass(memo, namespace, owner, full=changed, trigger=f"{kind}-event", logger=logger,
                        **_indexes(memo, kw))
 
 
 for _kind, (_g, _v, _p) in CHILD_KINDS.items():
     _register_child(_kind, _g, _v, _p)
+
+
+@kopf.on.event("", "v1", "events", field="involvedObject.kind", value="StatefulSet", id="statefulset-events")
+async def statefulset_event(type: str | None, body: kopf.Body, namespace: str, memo: kopf.Memo, logger,
+                            **kw: Any) -> None:
+    """A failed pod creation changes Degraded. (A successful one also creates a pod, whose own event refreshes
+    status.)"""
+    if type == "DELETED" or body.get("reason") != FAILED_CREATE:
+        return
+    owner = names.engine_owner((body.get("involvedObject") or {}).get("name", ""))
+    if owner is not None and (namespace, owner[0]) in kw["dinf_index"]:
+        await run_pass(memo, namespace, owner[0], full=False, trigger="statefulset-event", logger=logger,
+                       **_indexes(memo, kw))
 
 
 @kopf.on.event("", "v1", "pods", labels=MANAGED)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from disagg.connector.wire import env as wire_env
 
@@ -31,6 +33,14 @@ def engine_name(cr: str, role: str) -> str:
     if role not in ENGINE_ROLES:
         raise ValueError(f"role must be one of {ENGINE_ROLES}, got {role!r}")
     return f"{cr}-{role}"
+
+
+def engine_owner(statefulset: str) -> tuple[str, str] | None:
+    """(CR name, role) of an engine StatefulSet name, or None when no CR would name a StatefulSet so."""
+    for role in ENGINE_ROLES:
+        if statefulset.endswith(f"-{role}") and len(statefulset) > len(role) + 1:
+            return statefulset[: -len(role) - 1], role
+    return None
 
 
 def router_name(cr: str) -> str:
@@ -114,3 +124,98 @@ def layout_key(spec: DisaggregatedInferenceSpec) -> str:
     material = [spec.model.name, spec.model.dtype, spec.engine.block_size, spec.kv_transfer.mode, spec.connector,
                 spec.engine.image]
     return hashlib.sha256(json.dumps(material, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+# -- how long a CR name may be ------------------------------------------------------------------------------
+DNS_LABEL_MAX = 63  # a DNS label (RFC 1123/1035) and a label value share this bound
+LABEL_VALUE_MAX = 63
+# A StatefulSet names its ControllerRevisions `<statefulset>-<hash>` and puts that whole name on every pod as the
+# label `controller-revision-hash`. The hash is a 32-bit FNV hash in decimal, safe-encoded: at most 10 characters.
+REVISION_HASH_MAX = 10
+STATEFULSET_REVISION_LABEL = "controller-revision-hash"
+# Children are Services (DNS-1035 labels: a letter first) and carry the name as a label value: lowercase letters,
+# digits and '-', a letter first and no '-' last, is what all of them accept. (Kubernetes 1.36 relaxes Service
+# names to DNS-1123 labels, which may start with a digit; older clusters do not.)
+CR_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+Rule = Literal["dns-1035-label", "dns-1123-label", "dns-1123-subdomain", "label-value", "path-segment"]
+_RULES: dict[str, tuple[int, str]] = {
+    "dns-1035-label": (DNS_LABEL_MAX, r"^[a-z]([-a-z0-9]*[a-z0-9])?$"),
+    "dns-1123-label": (DNS_LABEL_MAX, r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"),
+    "dns-1123-subdomain": (MAX_NAME, r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"),
+    "label-value": (LABEL_VALUE_MAX, r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"),
+    "path-segment": (MAX_NAME, r"^[^/%]+$"),
+}
+
+
+def valid(value: str, rule: Rule) -> bool:
+    """Whether `value` is a valid name or label value of this kind, as the apiserver checks it."""
+    limit, pattern = _RULES[rule]
+    return len(value) <= limit and re.match(pattern, value) is not None and value not in (".", "..")
+
+
+@dataclass(frozen=True)
+class DerivedName:
+    """A name or label value the operator, or a controller acting on its children, derives from the CR name."""
+
+    what: str
+    value: str
+    rule: Rule
+
+    @property
+    def limit(self) -> int:
+        return _RULES[self.rule][0]
+
+    @property
+    def valid(self) -> bool:
+        return valid(self.value, self.rule)
+
+
+def derived_names(cr: str, namespace: str, max_replicas: int) -> list[DerivedName]:
+    """Every name and label value derived from CR `cr` that the apiserver validates: the children's names, the
+    label values carrying the CR name, and what the StatefulSet controller derives from the engine StatefulSets
+    (pod names up to ordinal `max_replicas - 1`, which are also pod hostnames and labels, and the
+    controller-revision-hash label)."""
+    out = [DerivedName("label app.kubernetes.io/instance", cr, "label-value"),
+           DerivedName("rendezvous Service", rendezvous_name(cr), "dns-1035-label"),
+           DerivedName("router Service", router_name(cr), "dns-1035-label"),
+           DerivedName("router Deployment", router_name(cr), "dns-1123-subdomain"),
+           DerivedName("rendezvous Deployment", rendezvous_name(cr), "dns-1123-subdomain"),
+           DerivedName("rendezvous ServiceAccount", rendezvous_service_account(cr), "dns-1123-subdomain"),
+           DerivedName("rendezvous token Secret", rendezvous_token_secret(cr), "dns-1123-subdomain"),
+           DerivedName("rendezvous ClusterRoleBinding", rendezvous_binding_name(namespace, cr), "path-segment"),
+           DerivedName("launch ConfigMap", launch_configmap_name(cr), "dns-1123-subdomain")]
+    for role in ENGINE_ROLES:
+        sts = engine_name(cr, role)
+        pod = f"{sts}-{max(max_replicas - 1, 0)}"
+        out += [DerivedName(f"{role} StatefulSet and PodDisruptionBudget", sts, "dns-1123-subdomain"),
+                DerivedName(f"{role} headless Service", sts, "dns-1035-label"),
+                DerivedName(f"{role} pod name (its hostname)", pod, "dns-1123-label"),
+                DerivedName(f"{role} pod label statefulset.kubernetes.io/pod-name", pod, "label-value"),
+                DerivedName(f"{role} pod label {STATEFULSET_REVISION_LABEL}",
+                            f"{sts}-{'0' * REVISION_HASH_MAX}", "label-value")]
+    return out
+
+
+@dataclass(frozen=True)
+class NameLimit:
+    """The longest CR name whose every derived name is valid, and the derived name that sets the bound."""
+
+    length: int
+    binding: DerivedName  # the derived name that is exactly at its limit when the CR name is `length` long
+
+
+def max_cr_name_length(max_replicas: int) -> NameLimit:
+    """The longest CR name (of allowed characters, in the longest namespace) for which every name in
+    `derived_names` is valid. Derived, not assumed: the bound moves with any new child or suffix."""
+    namespace = "n" * DNS_LABEL_MAX
+    best = None
+    for length in range(1, MAX_NAME + 1):
+        if not all(d.valid for d in derived_names("a" * length, namespace, max_replicas)):
+            break
+        best = length
+    if best is None:
+        raise ValueError("no CR name is short enough for its children")
+    binding = next(d for d in derived_names("a" * (best + 1), namespace, max_replicas) if not d.valid)
+    at_limit = next(d for d in derived_names("a" * best, namespace, max_replicas) if d.what == binding.what)
+    return NameLimit(best, at_limit)

@@ -81,6 +81,9 @@ def main(args: argparse.Namespace) -> None:
         settings.posting.level = logging.INFO
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 30
+        # Of all Events, only the StatefulSet controller's are read (FailedCreate: Degraded); filter them on the
+        # server, so the operator never receives the cluster's other Events.
+        settings.watching.field_selectors[("", "v1", "events")] = handlers.STATEFULSET_EVENTS
         memo.shared = {}
         memo.reconciler = Reconciler(AsyncClient(KubeConfig.from_env()), images, namespaces=args.namespace)
         transport_log = logging.getLogger("disagg.transport")

@@ -84,7 +84,7 @@ def rendezvous_binding(cr: DisaggregatedInference) -> dict[str, Any]:
     """auth kubernetes: system:auth-delegator (TokenReview) for the rendezvous' ServiceAccount.
 
     Cluster-scoped, so it cannot be owned by the namespaced CR and the garbage collector never removes it: the
-    operator does (reconciler.collect_bindings), finding its bindings by the labels below and their CR by the
+    operator does (bindings.BindingCollector), finding its bindings by the labels below and their CR by the
     annotations."""
     name, namespace = cr_name(cr), namespace_of(cr)
     labels = {**names.labels(name, names.RENDEZVOUS), names.LABEL_CR_NAMESPACE: namespace}

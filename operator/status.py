@@ -3,23 +3,29 @@
 Invariants:
 - `Ready` is True only when every role has all desired replicas ready and updated and the router is ready.
 - `Progressing` is True while any role or the router is rolling out or scaling.
-- `Degraded` is True when an engine's preflight check failed (its one-line termination message is copied
-  here) or an engine container is crash-looping; it names the pod. Failing that, it is True when
-  `TransportVerified` is False: the deployment serves, but KV does not move over the transport asked for
-  (`Ready` stays as it is; Degraded means "working, not as requested").
+- `Degraded` is True, with the first of these that holds as its reason and the others named after its message:
+  an engine's preflight check failed (its one-line termination message is copied here) or an engine container is
+  crash-looping (it names the pod); a child the apiserver refused (`ApplyFailed`, the apiserver's message); an
+  engine StatefulSet whose pods cannot be created (`FailedCreate`, the controller's message); engine pods the
+  scheduler cannot place (`Unschedulable`, their count and the scheduler's message); `TransportVerified` False:
+  the deployment serves, but KV does not move over the transport asked for. Only engine failures change `Ready`
+  (Degraded means "not as requested"; missing pods keep `Ready` False by their counts anyway).
 - `TransportVerified` compares the NIXL backend every advertised engine of the deployment reports (from its
   rendezvous) with the one requested (`spec.backend`): True when all match, False naming the engines that
   differ, Unknown while nothing is known (no engines yet, transport not reported yet, rendezvous unreachable,
   or a vendor connector without the plugin).
 - A condition's lastTransitionTime changes only when its status changes, so an unchanged world yields an
   identical status and the operator writes nothing.
+- `compute_status` returns the typed status (`api.DisaggregatedInferenceStatus`, the model the CRD's status
+  schema is generated from), so what the operator writes always fits the schema; it compares that model with
+  the stored one, parsed by the same model, and writes its `dump()` only when they differ.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import DisaggregatedInferenceSpec
+from .api import Condition, DisaggregatedInferenceSpec, DisaggregatedInferenceStatus, RoleStatus
 
 
 @dataclass(frozen=True)
@@ -27,11 +33,12 @@ class WorkloadState:
     """What the operator reads from one StatefulSet or Deployment."""
 
     desired: int = 0
-    replicas: int = 0
+    replicas: int = 0  # pods created (a StatefulSet's status.replicas)
     ready: int = 0
     updated: int = 0
     observed_current: bool = True  # status.observedGeneration caught up with metadata.generation
     exists: bool = False
+    uid: str = ""
 
     @property
     def settled(self) -> bool:
@@ -43,7 +50,31 @@ class WorkloadState:
 class PodProblem:
     pod: str
     role: str
-    reason: str
+    reason: str  # EngineFailed, a container's waiting reason (CrashLoopBackOff, ...), or Unschedulable
+    message: str
+
+
+UNSCHEDULABLE = "Unschedulable"
+FAILED_CREATE = "FailedCreate"
+SUCCESSFUL_CREATE = "SuccessfulCreate"
+APPLY_FAILED = "ApplyFailed"
+
+
+@dataclass(frozen=True)
+class PodCreateEvent:
+    """An Event the StatefulSet controller recorded on a StatefulSet when it created a pod, or failed to
+    (`FailedCreate`: `create Pod <pod> in StatefulSet <sts> failed error: <the apiserver's refusal>`). StatefulSet
+    status has no condition for a failed creation; these Events are the only record of it."""
+
+    statefulset_uid: str
+    reason: str  # FailedCreate or SuccessfulCreate
+    message: str
+    at: float  # when it last happened (seconds since the epoch)
+
+
+@dataclass(frozen=True)
+class CreateFailure:
+    role: str
     message: str
 
 
@@ -73,6 +104,8 @@ class Observed:
     router: WorkloadState = field(default_factory=WorkloadState)
     problems: tuple[PodProblem, ...] = ()
     transport: TransportReport | None = None  # None: the rendezvous has not been asked yet
+    create_failures: tuple[CreateFailure, ...] = ()
+    apply_error: str | None = None  # the apiserver's refusal of a child in the last full pass, if it failed
 
 
 def workload_state(obj: dict[str, Any] | None) -> WorkloadState:
@@ -86,14 +119,35 @@ def workload_state(obj: dict[str, Any] | None) -> WorkloadState:
         updated=int(st.get("updatedReplicas", 0) or 0),
         observed_current=int(st.get("observedGeneration", 0) or 0) >= int(meta.get("generation", 0) or 0),
         exists=True,
+        uid=str(meta.get("uid") or ""),
     )
 
 
+def create_failure(state: WorkloadState, events: list[PodCreateEvent] | tuple[PodCreateEvent, ...]) -> str | None:
+    """The StatefulSet controller's message when it is failing to create this StatefulSet's pods now, else None.
+
+    Failing now: the StatefulSet has fewer pods than it wants, and its latest FailedCreate Event is no older than
+    its latest SuccessfulCreate (Event times have one-second resolution: a tie counts as failing, as the pod that
+    failed is still missing). Events of an earlier StatefulSet of the same name (another UID) do not count."""
+    if not state.exists or state.replicas >= state.desired:
+        return None
+    own = [e for e in events if e.statefulset_uid == state.uid]
+    failed = max((e for e in own if e.reason == FAILED_CREATE), key=lambda e: e.at, default=None)
+    created = max((e for e in own if e.reason == SUCCESSFUL_CREATE), key=lambda e: e.at, default=None)
+    if failed is None or (created is not None and created.at > failed.at):
+        return None
+    return failed.message
+
+
 def pod_problems(pod: dict[str, Any]) -> list[PodProblem]:
-    """A preflight failure shows up as a terminated container with a termination message."""
+    """A preflight failure shows up as a terminated container with a termination message; a pod the scheduler
+    cannot place as its condition PodScheduled False, reason Unschedulable, with the scheduler's message."""
     name = pod.get("metadata", {}).get("name", "?")
     role = pod.get("metadata", {}).get("labels", {}).get("serving.disagg.io/role", "?")
     out = []
+    for c in (pod.get("status", {}) or {}).get("conditions", []) or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == UNSCHEDULABLE:
+            out.append(PodProblem(name, role, UNSCHEDULABLE, " ".join((c.get("message") or UNSCHEDULABLE).split())))
     for cs in (pod.get("status", {}) or {}).get("containerStatuses", []) or []:
         states = (cs.get("state", {}) or {}, cs.get("lastState", {}) or {})
         # The termination message (the preflight's one-line reason) beats the generic waiting reason that a
@@ -110,13 +164,16 @@ def pod_problems(pod: dict[str, Any]) -> list[PodProblem]:
 
 
 def _cond(ctype: str, ok: bool | str, reason: str, message: str, generation: int,
-          previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
+          previous: dict[str, Condition], now: str) -> Condition:
     status = ok if isinstance(ok, str) else ("True" if ok else "False")
     prev = previous.get(ctype)
-    since = prev["lastTransitionTime"] if prev and prev.get("status") == status and prev.get("lastTransitionTime") \
-        else now
-    return {"type": ctype, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": since, "observedGeneration": generation}
+    since = prev.last_transition_time if prev and prev.status == status and prev.last_transition_time else now
+    return Condition(type=ctype, status=status, reason=reason, message=message, last_transition_time=since,
+                     observed_generation=generation)
+
+
+def condition(status: DisaggregatedInferenceStatus | None, ctype: str) -> Condition | None:
+    return next((c for c in status.conditions if c.type == ctype), None) if status else None
 
 
 TRANSPORT_VERIFIED = "TransportVerified"
@@ -184,20 +241,43 @@ def transport_verdict(spec: DisaggregatedInferenceSpec, report: TransportReport 
             f"{expected}, as requested")
 
 
-def transport_event(before: str | None, after: dict[str, Any]) -> tuple[str, str, str] | None:
+def transport_event(before: str | None, after: Condition) -> tuple[str, str, str] | None:
     """The Event to record when TransportVerified goes from status `before` to `after`: a Warning on every
     transition to False, a Normal event on every transition to True, nothing otherwise (Unknown is no news)."""
-    status = after["status"]
-    if status == before or status == "Unknown":
+    if after.status == before or after.status == "Unknown":
         return None
-    if status == "False":
-        return "Warning", after["reason"], after["message"]
-    return "Normal", after["reason"], after["message"]
+    return ("Warning" if after.status == "False" else "Normal"), after.reason, after.message
+
+
+def degradations(observed: Observed, failures: list[PodProblem]) -> list[tuple[str, str]]:
+    """(reason, message) of everything that makes the deployment Degraded apart from its transport, most
+    severe first: engine failures, a refused child, pods that cannot be created, pods that cannot be placed."""
+    out = []
+    if failures:
+        p = failures[0]
+        more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
+        out.append((p.reason, f"{p.role} pod {p.pod}: {p.message}{more}"))
+    if observed.apply_error:
+        out.append((APPLY_FAILED, observed.apply_error))
+    if observed.create_failures:
+        roles = " and ".join(f.role for f in observed.create_failures)
+        several = len(observed.create_failures) > 1
+        out.append((FAILED_CREATE, f"the {roles} StatefulSet{'s' if several else ''} cannot create "
+                                   f"{'their' if several else 'its'} pods: {observed.create_failures[0].message}"))
+    unschedulable = sorted((p for p in observed.problems if p.reason == UNSCHEDULABLE), key=lambda p: p.pod)
+    if unschedulable:
+        n = len(unschedulable)
+        per_role = ", ".join(f"{sum(p.role == r for p in unschedulable)} {r}" for r in ("prefill", "decode")
+                             if any(p.role == r for p in unschedulable))
+        first = unschedulable[0]
+        out.append((UNSCHEDULABLE, f"{n} engine pod{'s' if n > 1 else ''} cannot be scheduled ({per_role}); "
+                                   f"{first.pod}: {first.message}"))
+    return out
 
 
 def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: Observed, endpoint: str,
-                   previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
-    prev_conds = {c["type"]: c for c in (previous or {}).get("conditions", []) or []}
+                   previous: DisaggregatedInferenceStatus | None, now: str) -> DisaggregatedInferenceStatus:
+    prev_conds = {c.type: c for c in previous.conditions} if previous else {}
     roles = {"prefill": (spec.prefill.replicas, observed.prefill), "decode": (spec.decode.replicas, observed.decode)}
 
     pending = []
@@ -211,37 +291,39 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
 
     t_status, t_reason, t_message = transport_verdict(spec, observed.transport)
     transport = _cond(TRANSPORT_VERIFIED, t_status, t_reason, t_message, generation, prev_conds, now)
-    if observed.problems:
-        p = observed.problems[0]
-        more = f" (+{len(observed.problems) - 1} more)" if len(observed.problems) > 1 else ""
-        degraded = _cond("Degraded", True, p.reason, f"{p.role} pod {p.pod}: {p.message}{more}", generation,
-                         prev_conds, now)
-    elif t_status == "False":
-        degraded = _cond("Degraded", True, t_reason, t_message, generation, prev_conds, now)
+    failures = [p for p in observed.problems if p.reason != UNSCHEDULABLE]
+    findings = degradations(observed, failures)
+    if t_status == "False":
+        findings.append((t_reason, t_message))
+    if findings:
+        reason, message = findings[0]
+        if len(findings) > 1:
+            message += f" (also: {', '.join(r for r, _ in findings[1:])})"
+        degraded = _cond("Degraded", True, reason, message, generation, prev_conds, now)
     else:
         degraded = _cond("Degraded", False, "AsExpected", "no engine failures observed", generation, prev_conds, now)
     progressing = _cond("Progressing", bool(pending), "RollingOut" if pending else "Settled",
                         "; ".join(pending) if pending else "all replicas updated and ready", generation,
                         prev_conds, now)
-    ready_ok = not pending and not observed.problems
-    ready = _cond("Ready", ready_ok, "AllReplicasReady" if ready_ok else ("EngineFailed" if observed.problems
+    ready_ok = not pending and not failures
+    ready = _cond("Ready", ready_ok, "AllReplicasReady" if ready_ok else ("EngineFailed" if failures
                                                                          else "ReplicasNotReady"),
                   f"serving {spec.served_name} at {endpoint}" if ready_ok else
-                  (degraded["message"] if observed.problems else "; ".join(pending)), generation, prev_conds, now)
+                  (findings[0][1] if failures else "; ".join(pending)), generation, prev_conds, now)
 
-    def role_status(role: str) -> dict[str, int]:
+    def role_status(role: str) -> RoleStatus:
         want, st = roles[role]
-        return {"desired": want, "ready": st.ready, "updated": st.updated}
+        return RoleStatus(desired=want, ready=st.ready, updated=st.updated)
 
-    return {
-        "observedGeneration": generation,
-        "conditions": [ready, progressing, degraded, transport],
-        "prefill": role_status("prefill"),
-        "decode": role_status("decode"),
-        "prefillReady": f"{observed.prefill.ready}/{spec.prefill.replicas}",
-        "decodeReady": f"{observed.decode.ready}/{spec.decode.replicas}",
-        "endpoint": endpoint,
-        "connector": spec.connector,
-        "backend": spec.backend,
-        "mode": spec.kv_transfer.mode,
-    }
+    return DisaggregatedInferenceStatus(
+        observed_generation=generation,
+        conditions=[ready, progressing, degraded, transport],
+        prefill=role_status("prefill"),
+        decode=role_status("decode"),
+        prefill_ready=f"{observed.prefill.ready}/{spec.prefill.replicas}",
+        decode_ready=f"{observed.decode.ready}/{spec.decode.replicas}",
+        endpoint=endpoint,
+        connector=spec.connector,
+        backend=spec.backend,
+        mode=spec.kv_transfer.mode,
+    )

@@ -136,6 +136,13 @@ REJECTED = [
                                 '"LoadBalancer"'),
     ("side-channel-port-privileged", {"kvTransfer.sideChannelPort": 80},
      "spec.kvTransfer.sideChannelPort", "should be greater than or equal to 1024"),
+    ("push-with-pull-connector", {"kvTransfer.connector": "NixlPullConnector"},
+     "spec.kvTransfer.connector", "NixlPullConnector does not do push-mode KV transfer (spec.kvTransfer.mode: push); "
+                                  "push needs NixlPushConnector"),
+    ("push-with-vendor-connector", {"kvTransfer.connector": "NeuronNixlConnector"},
+     "spec.kvTransfer.connector", "NeuronNixlConnector does not do push-mode KV transfer"),
+    ("pull-with-push-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NixlPushConnector"},
+     "spec.kvTransfer.connector", "NixlPushConnector does not do pull-mode KV transfer (spec.kvTransfer.mode: pull)"),
 ]
 
 
@@ -198,6 +205,11 @@ ACCEPTED = [
     ("pvc-source", {"model.source": {"pvc": {"claimName": "weights"}}}),
     ("quantities-and-free-form", {"prefill.resources": {"requests": {"cpu": 32, "memory": "256Gi"}},
                                   "decode.affinity": {"nodeAffinity": {"anything": ["goes"]}}}),
+    ("push-with-push-connector", {"kvTransfer.connector": "NixlPushConnector"}),
+    ("pull-with-nixl-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NixlConnector"}),
+    ("pull-with-nixl-pull-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NixlPullConnector"}),
+    ("pull-with-vendor-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NeuronNixlConnector",
+                                    "accelerator.profile": "trainium2"}),
 ]
 
 
@@ -236,3 +248,27 @@ def test_status_subresource_and_printer_columns(cluster, crd_installed, namespac
     out = kubectl(cluster, "get", "dinf", "-n", namespace).stdout.splitlines()
     assert out[0].split() == ["NAME", "MODE", "PREFILL", "DECODE", "READY", "ENDPOINT", "AGE"]
     assert out[1].split()[:6] == ["shown", "push", "1/1", "0/1", "False", "http://shown-router:8000"]
+
+
+def test_cr_name_at_the_limit_is_accepted_and_one_past_is_rejected_with_the_limit(cluster, crd_installed,
+                                                                                   dry_run_namespace):
+    """The limit is derived from the children's names (tests/unit/test_name_limit.py proves it is exact)."""
+    limit = api.NAME_LIMIT.length
+    assert limit == 44
+    at_limit = "q" * (limit - 3) + "-32"
+    created = cluster.client.create(crd_installed(metadata={"name": at_limit, "namespace": dry_run_namespace},
+                                                  spec=copy.deepcopy(MINIMAL)), dry_run=True)
+    assert created.metadata.name == at_limit
+    for name, message in [
+        (at_limit + "b", f"must be at most {limit} characters, got {limit + 1}: children are named after it, and the "
+                         "longest, the prefill pod label controller-revision-hash <name>-prefill-<10-character "
+                         "hash>, may have at most 63 characters"),
+        ("qwen3.5", "must consist of lowercase letters, digits and '-', start with a letter"),
+        ("3b-llama", "children are Services named after it (<name>-router), which must be DNS-1035 labels"),
+    ]:
+        with pytest.raises(ApiError) as err:
+            cluster.client.create(crd_installed(metadata={"name": name, "namespace": dry_run_namespace},
+                                                spec=copy.deepcopy(MINIMAL)), dry_run=True)
+        assert err.value.status.code == 422, err.value.status
+        assert "metadata.name: " in err.value.status.message and message in err.value.status.message, \
+            err.value.status.message

@@ -65,7 +65,7 @@ def reconciler(client: FakeClient, namespaces=None, fail: dict[str, int] | None 
             raise _api_error(fail[name])
         deleted.append((name, uid, rv))
 
-    r._delete_exact = delete_exact  # type: ignore[method-assign]
+    r.bindings.delete_exact = delete_exact  # type: ignore[method-assign]
     return r, deleted
 
 

@@ -94,9 +94,10 @@ def test_every_property_has_a_description(schema):
     properties = [p for p, _node, is_prop in walk(schema) if is_prop]
     assert len(properties) > 100 and ".spec.prefill.tolerations[].tolerationSeconds" in properties
     missing = [p for p, node, is_prop in walk(schema)
-               if is_prop and p != ".metadata" and not str(node.get("description", "")).strip()]
-    # Root metadata is the one exception: the apiserver forbids anything but `type` there.
-    assert schema["properties"]["metadata"] == {"type": "object"}
+               if is_prop and not p.startswith(".metadata") and not str(node.get("description", "")).strip()]
+    # Root metadata is the one exception: the apiserver forbids anything but `type` and a schema for the name there.
+    assert schema["properties"]["metadata"] == {"type": "object", "properties": {"name": {
+        "type": "string", "x-kubernetes-validations": api.NAME_RULES}}}
     assert missing == [], f"properties without a description: {missing}"
 
 
@@ -187,3 +188,23 @@ def test_cel_profile_tables_come_from_profiles():
         assert f"'{name}': {p.ranks_per_node}" in rules
         assert f"'{name}': {p.efa_per_node}" in rules
         assert f"'{name}': '{p.instance_type}'" in rules
+
+
+def test_mode_connector_rule_is_generated_from_the_push_connectors_and_admits_the_defaults(schema):
+    kv = schema["properties"]["spec"]["properties"]["kvTransfer"]
+    [rule] = [r for r in kv["x-kubernetes-validations"] if r.get("fieldPath") == ".connector"]
+    assert rule["rule"] == f"!has(self.connector) || (self.mode == 'push') == (self.connector in " \
+                           f"{sorted(api.PUSH_CONNECTORS)})"
+    assert "spec.kvTransfer.mode" in rule["messageExpression"]
+
+    def admitted(mode: str, connector: str | None) -> bool:  # the rule, in Python
+        return connector is None or (mode == "push") == (connector in api.PUSH_CONNECTORS)
+
+    for mode in ("push", "pull"):
+        spec = api.DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {
+            "profile": "nvidia-h200"}, "kvTransfer": {"mode": mode}})
+        assert admitted(mode, spec.connector), "each mode's default connector does that mode"
+    assert api.PUSH_CONNECTORS <= api.PLUGIN_CONNECTORS
+    assert all(admitted("pull", c) for c in api.PLUGIN_CONNECTORS - api.PUSH_CONNECTORS)
+    assert not admitted("push", "NixlPullConnector") and not admitted("push", "NeuronNixlConnector")
+    assert admitted("pull", "NeuronNixlConnector") and not admitted("pull", "NixlPushConnector")

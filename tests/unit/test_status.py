@@ -3,11 +3,27 @@ from __future__ import annotations
 
 import asyncio
 
-from disagg.operator.api import DisaggregatedInferenceSpec
+import pytest
+
+from disagg.operator.api import Condition, DisaggregatedInferenceSpec, RoleStatus
 from disagg.operator.builders import OperatorImages
 from disagg.operator.reconciler import Coalescer, Reconciler
-from disagg.operator.status import (EngineTransport, Observed, PodProblem, TransportReport, WorkloadState,
-                                    compute_status, pod_problems, transport_event, transport_verdict, workload_state)
+from disagg.operator.status import (
+    CreateFailure,
+    EngineTransport,
+    Observed,
+    PodCreateEvent,
+    PodProblem,
+    TransportReport,
+    WorkloadState,
+    compute_status,
+    condition,
+    create_failure,
+    pod_problems,
+    transport_event,
+    transport_verdict,
+    workload_state,
+)
 
 SPEC = DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {"profile": "nvidia-h200"},
                                                   "prefill": {"replicas": 2}})
@@ -16,14 +32,16 @@ SETTLED = Observed(prefill=WorkloadState(2, 2, 2, 2, True, True), decode=Workloa
 
 
 def conds(status):
-    return {c["type"]: c for c in status["conditions"]}
+    """The typed status's conditions by type, as the dicts the apiserver stores."""
+    return {c.type: c.dump() for c in status.conditions}
 
 
 def test_ready_only_when_every_role_and_router_settled():
     ok = compute_status(SPEC, 3, SETTLED, "http://e", None, "t1")
     assert conds(ok)["Ready"]["status"] == "True" and conds(ok)["Progressing"]["status"] == "False"
-    assert ok["prefill"] == {"desired": 2, "ready": 2, "updated": 2} and ok["prefillReady"] == "2/2"
-    assert ok["observedGeneration"] == 3 and ok["connector"] == "NixlPushConnector" and ok["backend"] == "LIBFABRIC"
+    assert ok.prefill == RoleStatus(desired=2, ready=2, updated=2) and ok.prefill_ready == "2/2"
+    assert ok.observed_generation == 3 and ok.connector == "NixlPushConnector" and ok.backend == "LIBFABRIC"
+    assert ok.dump()["prefill"] == {"desired": 2, "ready": 2, "updated": 2} and ok.dump()["prefillReady"] == "2/2"
     half = Observed(prefill=WorkloadState(2, 2, 1, 2, True, True), decode=SETTLED.decode, router=SETTLED.router)
     st = compute_status(SPEC, 3, half, "http://e", None, "t1")
     assert conds(st)["Ready"]["status"] == "False"
@@ -170,12 +188,13 @@ def test_transport_condition_is_stable_and_events_fire_once_per_transition():
     assert conds(fixed)["TransportVerified"]["lastTransitionTime"] == "t3"
     assert conds(fixed)["Degraded"]["lastTransitionTime"] == "t3"
 
-    bad, good = conds(first)["TransportVerified"], conds(fixed)["TransportVerified"]
-    assert transport_event(None, bad) == ("Warning", "TransportMismatch", bad["message"])
+    bad, good = condition(first, "TransportVerified"), condition(fixed, "TransportVerified")
+    assert transport_event(None, bad) == ("Warning", "TransportMismatch", bad.message)
     assert transport_event("Unknown", bad)[0] == "Warning"
     assert transport_event("False", bad) is None
-    assert transport_event("False", good) == ("Normal", "TransportMatches", good["message"])
-    assert transport_event("True", {"status": "Unknown", "reason": "RendezvousUnreachable", "message": ""}) is None
+    assert transport_event("False", good) == ("Normal", "TransportMatches", good.message)
+    assert transport_event("True", Condition(type="TransportVerified", status="Unknown",
+                                             reason="RendezvousUnreachable")) is None
 
     # The reconciler remembers what it published: a second pass reading a status that lags its own write must
     # not repeat the Warning; a restarted operator takes the stored status as its memory.
@@ -186,3 +205,86 @@ def test_transport_condition_is_stable_and_events_fire_once_per_transition():
     assert rec.transport_event(key, unknown, first) is None
     assert rec.transport_event(key, first, fixed)[0] == "Normal"
     assert Reconciler(None, OperatorImages()).transport_event(key, first, first) is None  # type: ignore[arg-type]
+
+
+# ---- Degraded: refused children, pods that cannot be created or placed ------------------------------------
+SCHED_MSG = ("0/9 nodes are available: 2 Insufficient aws.amazon.com/neuron, 7 node(s) didn't match Pod's node "
+             "affinity/selector. preemption: 0/9 nodes are available: 2 No preemption victims found for incoming "
+             "pod, 7 Preemption is not helpful for scheduling.")
+
+
+def pending_pod(name: str, role: str, reason: str = "Unschedulable") -> dict:
+    return {"metadata": {"name": name, "labels": {"serving.disagg.io/role": role}},
+            "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                           "reason": reason, "message": SCHED_MSG}]}}
+
+
+def test_unschedulable_pods_make_the_cr_degraded_with_their_count_and_the_schedulers_message():
+    assert pod_problems(pending_pod("m-decode-3", "decode")) == [
+        PodProblem("m-decode-3", "decode", "Unschedulable", SCHED_MSG)]
+    assert pod_problems(pending_pod("m-decode-3", "decode", reason="SchedulingGated")) == []
+    problems = tuple(p for i in range(8) for p in pod_problems(pending_pod(f"m-decode-{i}", "decode"))) + \
+        tuple(p for i in range(3) for p in pod_problems(pending_pod(f"m-prefill-{i}", "prefill")))
+    rolling = Observed(prefill=WorkloadState(3, 3, 0, 3, True, True), decode=WorkloadState(8, 8, 0, 8, True, True),
+                       router=SETTLED.router, problems=problems)
+    st = conds(compute_status(SPEC, 1, rolling, "e", None, "t"))
+    assert (st["Degraded"]["status"], st["Degraded"]["reason"]) == ("True", "Unschedulable")
+    assert st["Degraded"]["message"] == \
+        f"11 engine pods cannot be scheduled (3 prefill, 8 decode); m-decode-0: {SCHED_MSG}"
+    # Not an engine failure: Ready says replicas are not ready, and the rollout is still what Progressing reports.
+    assert (st["Ready"]["status"], st["Ready"]["reason"]) == ("False", "ReplicasNotReady")
+    assert (st["Progressing"]["status"], st["Progressing"]["reason"]) == ("True", "RollingOut")
+
+
+def event(uid: str, reason: str, at: float, message: str = "") -> PodCreateEvent:
+    return PodCreateEvent(uid, reason, message or f"{reason} at {at}", at)
+
+
+FAILED = ("Create Pod m-prefill-1 in StatefulSet m-prefill failed error: pods \"m-prefill-1\" is forbidden: "
+          "exceeded quota")
+SHORT = WorkloadState(desired=2, replicas=1, ready=1, updated=1, exists=True, uid="u1")
+
+
+@pytest.mark.parametrize("state, events, expected", [
+    (SHORT, [], None),
+    (SHORT, [event("u1", "FailedCreate", 10, FAILED)], FAILED),
+    (SHORT, [event("u1", "SuccessfulCreate", 9), event("u1", "FailedCreate", 10, FAILED)], FAILED),
+    # One-second resolution: a failure in the same second as a success still counts (its pod is missing).
+    (SHORT, [event("u1", "SuccessfulCreate", 10), event("u1", "FailedCreate", 10, FAILED)], FAILED),
+    (SHORT, [event("u1", "FailedCreate", 10, FAILED), event("u1", "SuccessfulCreate", 11)], None),
+    (SHORT, [event("old-uid", "FailedCreate", 10, FAILED)], None),
+    (WorkloadState(2, 2, 2, 2, True, True, "u1"), [event("u1", "FailedCreate", 10, FAILED)], None),
+    (WorkloadState(), [event("u1", "FailedCreate", 10, FAILED)], None),
+], ids=["no-events", "failed", "failed-after-success", "same-second", "success-after-failure", "other-statefulset",
+        "all-pods-exist", "no-statefulset"])
+def test_create_failure_is_the_latest_failed_creation_of_a_statefulset_short_of_pods(state, events, expected):
+    assert create_failure(state, events) == expected
+
+
+def test_failed_creation_and_refused_children_make_the_cr_degraded():
+    short = Observed(prefill=SHORT, decode=SETTLED.decode, router=SETTLED.router,
+                     create_failures=(CreateFailure("prefill", FAILED),))
+    st = conds(compute_status(SPEC, 1, short, "e", None, "t"))
+    assert (st["Degraded"]["status"], st["Degraded"]["reason"]) == ("True", "FailedCreate")
+    assert st["Degraded"]["message"] == f"the prefill StatefulSet cannot create its pods: {FAILED}"
+    both = Observed(prefill=SHORT, decode=SHORT, router=SETTLED.router,
+                    create_failures=(CreateFailure("prefill", FAILED), CreateFailure("decode", "d")))
+    assert conds(compute_status(SPEC, 1, both, "e", None, "t"))["Degraded"]["message"] == \
+        f"the prefill and decode StatefulSets cannot create their pods: {FAILED}"
+
+    refused = "applying Service ns/m-router: services \"m-router\" is forbidden: exceeded quota: lb"
+    st = conds(compute_status(SPEC, 1, Observed(prefill=SETTLED.prefill, decode=SETTLED.decode, router=SETTLED.router,
+                                                apply_error=refused), "e", None, "t"))
+    assert (st["Degraded"]["status"], st["Degraded"]["reason"], st["Degraded"]["message"]) == \
+        ("True", "ApplyFailed", refused)
+
+    # Several at once: the most severe is the reason, the others are named.
+    both = Observed(prefill=SHORT, decode=SETTLED.decode, router=SETTLED.router,
+                    problems=(PodProblem("m-decode-0", "decode", "EngineFailed", "no EFA"),),
+                    create_failures=(CreateFailure("prefill", FAILED),), apply_error=refused,
+                    transport=report(("a-0", "prefill", "UCX")))
+    st = conds(compute_status(SPEC, 1, both, "e", None, "t"))
+    assert st["Degraded"]["reason"] == "EngineFailed"
+    assert st["Degraded"]["message"] == \
+        "decode pod m-decode-0: no EFA (also: ApplyFailed, FailedCreate, TransportMismatch)"
+    assert (st["Ready"]["reason"], st["Ready"]["message"]) == ("EngineFailed", "decode pod m-decode-0: no EFA")

@@ -125,14 +125,17 @@ delete the operator holds is on its rendezvous ClusterRoleBindings, in clusterRu
   resources: ["serviceaccounts"]
   verbs: ["create", "patch"]
 {{- end }}
-# Engine pods: watched for failed preflight checks and restarts (Degraded condition). Never written.
+# Engine pods: watched for failed preflight checks, restarts and failed scheduling (Degraded condition). Never
+# written.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list", "watch"]
-# Events on the DisaggregatedInference (Created, Updated, ApplyFailed, InvalidSpec). kopf only posts them.
+# Events: the operator posts them on the DisaggregatedInference (Created, Updated, ApplyFailed, InvalidSpec), and
+# watches the StatefulSet controller's (field selector involvedObject.kind=StatefulSet) for engine pods it fails to
+# create (FailedCreate: Degraded), which StatefulSet status does not show.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["list", "watch", "create"]
 {{- if and (include "disagg-operator.peering" .) .Values.watchNamespaces }}
 # kopf peering per watched namespace: the operator creates its KopfPeering; kopf watches it and patches its
 # own liveness record into it.

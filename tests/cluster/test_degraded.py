@@ -1,0 +1,119 @@
+"""Children that fail for real on the real control plane make the CR Degraded, with the cluster's own words:
+engine pods the scheduler cannot place (kwok's Trainium nodes have only so many Neuron devices), engine pods the
+StatefulSet controller cannot create (a ResourceQuota refuses them), and a child the apiserver refuses to the
+operator itself (a ResourceQuota on LoadBalancer Services). Each clears once the cause is gone."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from lightkube import codecs
+from lightkube.resources.apps_v1 import StatefulSet
+from lightkube.resources.core_v1 import Pod, ResourceQuota
+from lightkube.types import PatchType
+
+from support.dinf import Dinf, cond, create, is_ready, small
+from support.kube import pod_unschedulable, watch_until
+from support.operator import OperatorProcess
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, crd_installed, tmp_path_factory):
+    op = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log", resync_seconds=5)
+    op.start()
+    yield op
+    op.stop()
+
+
+def degraded(reason: str):
+    def check(d) -> bool:
+        c = cond(d, "Degraded")
+        return c is not None and c["status"] == "True" and c["reason"] == reason and \
+            d.status.get("observedGeneration") == d.metadata.generation
+    return check
+
+
+def not_degraded(d) -> bool:
+    return is_ready(d) and (cond(d, "Degraded") or {}).get("status") == "False"
+
+
+def quota(cluster, namespace: str, name: str, hard: dict[str, str]) -> None:
+    cluster.client.create(codecs.from_dict({"apiVersion": "v1", "kind": "ResourceQuota",
+                                            "metadata": {"name": name, "namespace": namespace},
+                                            "spec": {"hard": hard}}))
+    # Admission enforces a quota once the controller-manager has counted its usage.
+    watch_until(cluster, ResourceQuota, name, lambda q: bool(q.status and q.status.hard), namespace=namespace,
+                timeout=30, what="counted")
+
+
+def test_engine_pods_the_scheduler_cannot_place_make_the_cr_degraded(cluster, operator, namespace):
+    manifest = yaml.safe_load((REPO / "manifests" / "examples" / "llama-trn2.yaml").read_text())
+    manifest["spec"]["decode"]["replicas"] = 10  # 11 engine pods of 8 Trainium2 devices; the zone has one node of 16
+    name = create(cluster, namespace, manifest)
+
+    def unschedulable_pods() -> dict[str, str]:
+        pods = cluster.client.list(Pod, namespace=namespace, labels={"app.kubernetes.io/instance": name})
+        return {p.metadata.name: next(c.message for c in p.status.conditions if c.type == "PodScheduled")
+                for p in pods if p.metadata.labels.get("serving.disagg.io/role") and pod_unschedulable(p)}
+
+    def reports_every_unschedulable_pod(d) -> bool:
+        if not degraded("Unschedulable")(d):
+            return False
+        pods = unschedulable_pods()
+        if not pods:
+            return False
+        first = min(pods)
+        return cond(d, "Degraded")["message"].startswith(f"{len(pods)} engine pods cannot be scheduled (") and \
+            cond(d, "Degraded")["message"].endswith(f"; {first}: {' '.join(pods[first].split())}")
+
+    dinf = watch_until(cluster, Dinf, name, reports_every_unschedulable_pod, namespace=namespace, timeout=90,
+                       what="Degraded naming every unschedulable pod and the scheduler's message")
+    message = cond(dinf, "Degraded")["message"]
+    assert "Insufficient aws.amazon.com/neuron" in message, message
+    assert len(unschedulable_pods()) >= 9, "at most two of the eleven pods fit the zone's one trn2 node"
+    assert (cond(dinf, "Ready")["status"], cond(dinf, "Ready")["reason"]) == ("False", "ReplicasNotReady")
+
+    cluster.client.patch(Dinf, name, {"spec": {"decode": {"replicas": 1}}}, namespace=namespace,
+                         patch_type=PatchType.MERGE)
+    watch_until(cluster, Dinf, name, not_degraded, namespace=namespace, timeout=90, what="Ready, not Degraded")
+
+
+def test_engine_pods_the_statefulset_cannot_create_make_the_cr_degraded(cluster, operator, namespace):
+    quota(cluster, namespace, "no-gpus", {"requests.nvidia.com/gpu": "0"})
+    name = create(cluster, namespace, small("quota"))
+    # Both StatefulSets fail; their Events arrive one after the other, so await the condition naming both.
+    dinf = watch_until(cluster, Dinf, name, lambda d: degraded("FailedCreate")(d) and "prefill and decode" in
+                       cond(d, "Degraded")["message"], namespace=namespace, timeout=60,
+                       what="Degraded FailedCreate for both roles")
+    message = cond(dinf, "Degraded")["message"]
+    # The StatefulSet controller's own Event message: which pod, which StatefulSet, and the apiserver's refusal.
+    assert message.startswith("the prefill and decode StatefulSets cannot create their pods: Create Pod "
+                              f"{name}-prefill-0 in StatefulSet {name}-prefill failed error: pods \"{name}-prefill-0\" "
+                              "is forbidden: exceeded quota: no-gpus"), message
+    assert "exceeded quota: no-gpus" in message and "requests.nvidia.com/gpu" in message, message
+    assert not list(cluster.client.list(Pod, namespace=namespace, labels={"serving.disagg.io/role": "prefill"}))
+
+    cluster.client.delete(ResourceQuota, "no-gpus", namespace=namespace)
+    # The StatefulSet controller retries with its own backoff; once the pods exist the failure is history.
+    watch_until(cluster, Dinf, name, not_degraded, namespace=namespace, timeout=180, what="Ready, not Degraded")
+    assert cluster.client.get(StatefulSet, f"{name}-prefill", namespace=namespace).status.replicas == 1
+
+
+def test_a_child_the_apiserver_refuses_makes_the_cr_degraded(cluster, operator, namespace):
+    quota(cluster, namespace, "no-load-balancers", {"services.loadbalancers": "0"})
+    name = create(cluster, namespace, small("lb", router={"serviceType": "LoadBalancer"}))
+    dinf = watch_until(cluster, Dinf, name, degraded("ApplyFailed"), namespace=namespace, timeout=60,
+                       what="Degraded ApplyFailed")
+    message = cond(dinf, "Degraded")["message"]
+    assert message.startswith(f"applying Service {namespace}/{name}-router: services \"{name}-router\" is "
+                              "forbidden: exceeded quota: no-load-balancers"), message
+    assert "services.loadbalancers" in message, message
+
+    cluster.client.patch(Dinf, name, {"spec": {"router": {"serviceType": "ClusterIP"}}}, namespace=namespace,
+                         patch_type=PatchType.MERGE)
+    watch_until(cluster, Dinf, name, not_degraded, namespace=namespace, timeout=90, what="Ready, not Degraded")

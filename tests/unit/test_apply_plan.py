@@ -1,0 +1,129 @@
+"""The apply plan (which children a full pass applies) and the echo detection that feeds it: a child event that
+shows exactly what our last apply produced is our own echo; anything else is a change under us."""
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+
+from disagg.operator.api import DisaggregatedInference
+from disagg.operator.builders import build_children
+from disagg.operator.meta import OperatorImages
+from disagg.operator.plan import Applied, child_key, digest, plan_children
+from disagg.operator.reconciler import Reconciler
+
+
+def cr(**spec) -> DisaggregatedInference:
+    return DisaggregatedInference.model_validate({"metadata": {"name": "m", "namespace": "ml", "uid": "u"}, "spec": {
+        "model": {"name": "x"}, "accelerator": {"profile": "nvidia-h200"}, **spec}})
+
+
+DESIRED = build_children(cr())
+
+
+def applied_all(children) -> dict:
+    return {child_key(o): Applied(digest(o), "g1") for o in children}
+
+
+def test_plan_applies_what_is_new_changed_or_drifted_and_everything_when_thorough():
+    plan = plan_children(DESIRED, {}, set(), thorough=False)
+    assert [s.why for s in plan.steps] == ["new"] * len(DESIRED) and len(plan.to_apply) == len(DESIRED)
+    assert [s.key for s in plan.steps] == [child_key(o) for o in DESIRED], "the builders' order is kept"
+
+    known = applied_all(DESIRED)
+    quiet = plan_children(DESIRED, known, set(), thorough=False)
+    assert quiet.to_apply == () and quiet.skipped == len(DESIRED)
+    assert {s.why for s in plan_children(DESIRED, known, set(), thorough=True).steps} == {"verify"}
+
+    sts = ("StatefulSet", "ml", "m-decode")
+    drifted = plan_children(DESIRED, known, {sts}, thorough=False)
+    assert [(s.key, s.why) for s in drifted.to_apply] == [(sts, "drifted")]
+
+    scaled = build_children(cr(decode={"replicas": 3}))
+    changed = plan_children(scaled, known, set(), thorough=False)
+    assert [(s.key, s.why) for s in changed.to_apply] == [(sts, "changed")], "only the decode StatefulSet changed"
+
+
+def test_digest_is_of_the_manifest_only():
+    assert digest(DESIRED[0]) == digest(copy.deepcopy(DESIRED[0]))
+    edited = copy.deepcopy(DESIRED[0])
+    edited["metadata"]["labels"]["x"] = "y"
+    assert digest(edited) != digest(DESIRED[0])
+
+
+def reconciler_with(applied: dict) -> Reconciler:
+    r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
+    r.applied.update(applied)
+    return r
+
+
+def body(name: str, namespace: str | None = "ml", generation: int | None = None, rv: str = "100") -> dict:
+    meta = {"name": name, "resourceVersion": rv}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    if generation is not None:
+        meta["generation"] = generation
+    return {"metadata": meta}
+
+
+APPLIED = {("StatefulSet", "ml", "m-decode"): Applied("d", "g2"), ("Service", "ml", "m-router"): Applied("d", "rv100"),
+           ("ClusterRoleBinding", "", "disagg-rendezvous:ml:m"): Applied("d", "rv7")}
+
+
+@pytest.mark.parametrize("kind, event, own", [
+    ("StatefulSet", body("m-decode", generation=2, rv="555"), True),   # its status moved: same generation
+    ("StatefulSet", body("m-decode", generation=3, rv="556"), False),  # its spec was edited
+    ("StatefulSet", body("m-prefill", generation=2), False),           # never applied by this process
+    ("StatefulSet", body("m-decode", namespace="other", generation=2), False),
+    ("Deployment", body("m-decode", generation=2), False),             # same name, another kind
+    ("Service", body("m-router", rv="100"), True),                     # no generation: the resourceVersion
+    ("Service", body("m-router", rv="101"), False),
+    ("ClusterRoleBinding", body("disagg-rendezvous:ml:m", namespace=None, rv="7"), True),
+    ("ClusterRoleBinding", body("disagg-rendezvous:ml:m", namespace=None, rv="8"), False),
+], ids=["sts-status-only", "sts-spec-edited", "sts-unknown", "other-namespace", "other-kind", "svc-same-rv",
+        "svc-new-rv", "cluster-scoped-same-rv", "cluster-scoped-new-rv"])
+def test_is_own_echo(kind, event, own):
+    r = reconciler_with(APPLIED)
+    assert r.is_own_echo(kind, event) is own
+    assert r.child_changed(kind, event) is not own
+    key = (kind, event["metadata"].get("namespace") or "", event["metadata"]["name"])
+    assert (key in r._drifted) is not own
+
+
+def test_a_deleted_child_is_a_change_even_when_its_last_state_was_our_echo():
+    r = reconciler_with(APPLIED)
+    assert r.child_changed("Service", body("m-router", rv="100"), deleted=True)
+    assert ("Service", "ml", "m-router") in r._drifted
+
+
+def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserver():
+    """The executor with its one cluster call replaced: created is what the apiserver said (201), not a clock."""
+    r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
+    calls: list[str] = []
+    stored: dict[tuple, tuple[dict, int]] = {}  # what the fake apiserver holds: manifest and generation
+
+    async def apply(obj):
+        key = child_key(obj)
+        calls.append(f"{key[0]}/{key[2]}")
+        created = key not in stored
+        before, generation = stored.get(key, (None, 0))
+        generation += obj != before
+        stored[key] = (obj, generation)
+        return {**obj, "metadata": {**obj["metadata"], "generation": generation, "resourceVersion": "1"}}, created
+
+    r._apply = apply  # type: ignore[method-assign]
+    first = asyncio.run(r.apply_children(cr()))
+    assert len(first.created) == len(calls) == len(DESIRED)
+    calls.clear()
+    again = asyncio.run(r.apply_children(cr()))
+    assert calls == [] and again.created == again.updated == [] and again.unchanged == len(DESIRED)
+    resync = asyncio.run(r.apply_children(cr(), thorough=True))
+    assert len(calls) == len(DESIRED) and resync.created == resync.updated == []
+    calls.clear()
+    scaled = asyncio.run(r.apply_children(cr(decode={"replicas": 3})))
+    assert calls == ["StatefulSet/m-decode"] and scaled.updated == ["StatefulSet/m-decode"]
+    # A restarted operator knows nothing: it applies everything, and reports nothing as created.
+    fresh = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
+    fresh._apply = apply  # type: ignore[method-assign]
+    assert asyncio.run(fresh.apply_children(cr(decode={"replicas": 3}))).created == []
