@@ -17,9 +17,10 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Self
+from typing import Self
 
 import yaml
 from lightkube import Client, KubeConfig, codecs
@@ -114,7 +115,7 @@ class LocalCluster:
         self.server = ""
 
     # -- lifecycle ---------------------------------------------------------------------------------------
-    def start(self, progress: Callable[[str], None] = lambda _m: None) -> "LocalCluster":
+    def start(self, progress: Callable[[str], None] = lambda _m: None) -> LocalCluster:
         missing = [b for b in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
                    if not (self.bin / b).exists()]
         if missing:
@@ -149,7 +150,7 @@ class LocalCluster:
             p.stop()
         self.processes.clear()
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -47,7 +47,7 @@ def run(keep: bool = False, engines: bool = True) -> None:
     except KeyboardInterrupt:
         print("\nCtrl-C: everything the demo started is stopped", flush=True)
     except demo_engines.DemoFailed as e:
-        raise SystemExit(f"\ndemo failed: {e}")
+        raise SystemExit(f"\ndemo failed: {e}") from None
 
 
 def _control_plane(keep: bool, engines_while_up: bool = False) -> None:

@@ -17,11 +17,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterable, TypeVar
+from typing import TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -101,7 +102,8 @@ def comparison(results: Iterable[Result]) -> str:
     vs = " vs ".join
     same = len({r.text for r in rs}) == 1
     return (f"{vs(r.mode for r in rs)}: TTFT {vs(seconds(r.warm.ttft) for r in rs)}, KV handoff "
-            f"{vs(seconds(r.warm.handoff) for r in rs)} (first request's TTFT {vs(seconds(r.first.ttft) for r in rs)}); "
+            f"{vs(seconds(r.warm.handoff) for r in rs)} "
+            f"(first request's TTFT {vs(seconds(r.first.ttft) for r in rs)}); "
             + ("the same answer in every mode" if same else "DIFFERENT answers (greedy decoding should agree)"))
 
 
@@ -153,9 +155,9 @@ def stream(url: str, body: dict[str, object], on_text: Callable[[str], None],
                 on_text(text)
             headers = dict(r.headers)
     except urllib.error.HTTPError as e:
-        raise DemoFailed(f"the router answered HTTP {e.code}: {e.read().decode(errors='replace')[:500]}")
+        raise DemoFailed(f"the router answered HTTP {e.code}: {e.read().decode(errors='replace')[:500]}") from e
     except OSError as e:
-        raise DemoFailed(f"the streamed request failed after {time.monotonic() - t0:.0f}s: {e}")
+        raise DemoFailed(f"the streamed request failed after {time.monotonic() - t0:.0f}s: {e}") from e
     if ttft is None:
         raise DemoFailed("the stream ended without a token")
     return "".join(out), ttft, time.monotonic() - t0, headers

@@ -68,7 +68,7 @@ class FleetSpec:
     short_efa_p5en: int = 1
 
     @classmethod
-    def parse(cls, text: str, short_efa_p5en: int = 1) -> "FleetSpec":
+    def parse(cls, text: str, short_efa_p5en: int = 1) -> FleetSpec:
         """`p5en.48xlarge=4,trn2.48xlarge=2` (a short family name like `p5en=4` works too)."""
         counts: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):

@@ -74,7 +74,7 @@ def ensure_credentials(directory: Path) -> Credentials:
     if creds.token_file.exists():
         return creds
     directory.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     not_after = now + dt.timedelta(days=365)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())

@@ -6,17 +6,30 @@ from typing import Any
 
 from . import names
 from .api import DisaggregatedInference
-from .engine_builders import (engine_args, engine_pdb, engine_service, engine_statefulset, launch_configmap,
-                              launch_script)
-from .meta import DEFAULT_OPERATOR_IMAGE, OperatorImages
-from .service_builders import (endpoint_url, rendezvous_binding, rendezvous_deployment, rendezvous_service,
-                               rendezvous_service_account, router_deployment, router_service)
+from .engine_builders import (
+    engine_args,
+    engine_pdb,
+    engine_service,
+    engine_statefulset,
+    launch_configmap,
+    launch_script,
+)
+from .meta import DEFAULT_IMAGES, DEFAULT_OPERATOR_IMAGE, OperatorImages
+from .service_builders import (
+    endpoint_url,
+    rendezvous_binding,
+    rendezvous_deployment,
+    rendezvous_service,
+    rendezvous_service_account,
+    router_deployment,
+    router_service,
+)
 
 __all__ = ["DEFAULT_OPERATOR_IMAGE", "OperatorImages", "build_children", "endpoint_url", "engine_args",
            "launch_script"]
 
 
-def build_children(cr: DisaggregatedInference, *, images: OperatorImages = OperatorImages()) -> list[dict[str, Any]]:
+def build_children(cr: DisaggregatedInference, *, images: OperatorImages = DEFAULT_IMAGES) -> list[dict[str, Any]]:
     """All children in apply order: launch ConfigMap, rendezvous, engines per role, then the router. With
     `spec.rendezvous.auth: kubernetes` the rendezvous' ServiceAccount and its ClusterRoleBinding (cluster-scoped,
     so not owned by the CR) come before its Deployment; with `token` the operator adds the token Secret itself

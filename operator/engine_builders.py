@@ -7,12 +7,12 @@ import posixpath
 from typing import Any
 
 from disagg.connector.wire import env as wire_env
-from disagg.connector.wire.kv_transfer import KV_ROLES, kv_transfer_config as render_kv_transfer_config
-
-from .launch_script import ENGINE_ID_PLACEHOLDER, render_launch_script
+from disagg.connector.wire.kv_transfer import KV_ROLES
+from disagg.connector.wire.kv_transfer import kv_transfer_config as render_kv_transfer_config
 
 from . import names
 from .api import DisaggregatedInference, DisaggregatedInferenceSpec, RoleSpec, ranks_per_pod
+from .launch_script import ENGINE_ID_PLACEHOLDER, render_launch_script
 from .merge import deep_merge
 from .meta import OperatorImages, cr_name, http_probe, namespace_of, object_meta
 from .profiles import EFA

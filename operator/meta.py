@@ -19,6 +19,9 @@ class OperatorImages:
     operator: str = DEFAULT_OPERATOR_IMAGE
 
 
+DEFAULT_IMAGES = OperatorImages()
+
+
 def cr_name(cr: DisaggregatedInference) -> str:
     name = cr.metadata.get("name")
     if not name:

@@ -9,6 +9,7 @@ import yaml
 
 from .api import KIND, DisaggregatedInference
 from .builders import OperatorImages, build_children
+from .meta import DEFAULT_IMAGES
 
 
 class RenderError(Exception):
@@ -66,7 +67,7 @@ def load_crs(text: str, source: str) -> list[DisaggregatedInference]:
     return crs
 
 
-def render(text: str, *, source: str = "<input>", images: OperatorImages = OperatorImages()) -> str:
+def render(text: str, *, source: str = "<input>", images: OperatorImages = DEFAULT_IMAGES) -> str:
     children: list[dict[str, Any]] = []
     for cr in load_crs(text, source):
         try:

@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         check_template(args.rendezvous_url_template)
     except ValueError as e:
-        raise SystemExit(f"disagg operator: {e}")
+        raise SystemExit(f"disagg operator: {e}") from None
     if args.transport_poll_seconds <= 0 or args.rendezvous_timeout <= 0:
         raise SystemExit("disagg operator: --transport-poll-seconds and --rendezvous-timeout must be positive")
 
@@ -130,4 +130,4 @@ def ensure_peering_objects(name: str, namespaces: list[str]) -> None:
         except ApiError as e:
             if e.status.code != 409:
                 raise SystemExit(f"cannot create the kopf peering object {name!r}: {e.status.message} "
-                                 "(are the kopf.dev peering CRDs installed? see crds/)")
+                                 "(are the kopf.dev peering CRDs installed? see crds/)") from e

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import socket
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 from pydantic import ValidationError

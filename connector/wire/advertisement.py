@@ -18,7 +18,6 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-
 Role = Literal["prefill", "decode"]
 KvMode = Literal["push", "pull"]
 

@@ -78,11 +78,13 @@ REJECTED = [
     ("prefill-tp-16-on-h200", {"prefill.tensorParallelSize": 16, "decode.tensorParallelSize": 16},
      "spec.prefill.tensorParallelSize",
      "16 prefill ranks (tensorParallelSize 16 * pipelineParallelSize 1 * dataParallelSize 1) do not fit one "
-     "p5en.48xlarge node (profile nvidia-h200), which has 8 GPUs; multi-node tensor/pipeline parallelism is not supported yet"),
+     "p5en.48xlarge node (profile nvidia-h200), which has 8 GPUs; multi-node tensor/pipeline parallelism is not "
+     "supported yet"),
     ("decode-tp-x-pp-exceeds-node",
      {"kvTransfer.mode": "pull", "decode.tensorParallelSize": 8, "decode.pipelineParallelSize": 2},
      "spec.decode.tensorParallelSize",
-     "16 decode ranks (tensorParallelSize 8 * pipelineParallelSize 2 * dataParallelSize 1) do not fit one p5en.48xlarge node"),
+     "16 decode ranks (tensorParallelSize 8 * pipelineParallelSize 2 * dataParallelSize 1) do not fit one "
+     "p5en.48xlarge node"),
     ("trainium2-tp-128", {"accelerator.profile": "trainium2", "decode.tensorParallelSize": 128},
      "spec.decode.tensorParallelSize",
      "128 decode ranks (tensorParallelSize 128 * pipelineParallelSize 1 * dataParallelSize 1) do not fit one "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+
 import pytest
 import yaml
 from lightkube.core.exceptions import ApiError

@@ -7,9 +7,9 @@ from lightkube import codecs
 from lightkube.core.exceptions import ApiError
 
 from disagg.operator import crdgen
+from support.dinf import Dinf, create, is_ready, small
 from support.kube import watch_until
 from support.operator import OperatorProcess
-from support.dinf import Dinf, create, is_ready, small
 
 pytestmark = pytest.mark.cluster
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import yaml
 from lightkube import AsyncClient, KubeConfig
@@ -40,7 +41,8 @@ async def _watch_until(kubeconfig: Path, res: type[T], name: str, predicate: Cal
                 if predicate(obj):
                     return obj
     except TimeoutError:
-        raise TimeoutError(f"{res.__name__} {namespace}/{name}: {what} not reached in {timeout}s; last: {last}")
+        raise TimeoutError(f"{res.__name__} {namespace}/{name}: {what} not reached in {timeout}s; "
+                           f"last: {last}") from None
     finally:
         await client.close()
     raise AssertionError("watch ended")
@@ -79,7 +81,7 @@ async def _watch_list_until(kubeconfig: Path, res: type[T], predicate: Callable[
                 if predicate(obj):
                     return obj
     except TimeoutError:
-        raise TimeoutError(f"no {res.__name__} in {namespace}: {what} in {timeout}s; saw: {seen[-5:]}")
+        raise TimeoutError(f"no {res.__name__} in {namespace}: {what} in {timeout}s; saw: {seen[-5:]}") from None
     finally:
         await client.close()
     raise AssertionError("watch ended")

@@ -28,7 +28,7 @@ class OperatorProcess:
         self.proc: subprocess.Popen | None = None
         self.metrics_port = self.health_port = 0
 
-    def start(self, timeout: float = 60) -> "OperatorProcess":
+    def start(self, timeout: float = 60) -> OperatorProcess:
         self.metrics_port, self.health_port = _free_port(), _free_port()
         cmd = [str(Path(sys.executable).parent / "disagg"), "operator", "--metrics-port", str(self.metrics_port),
                "--liveness", f"http://127.0.0.1:{self.health_port}/healthz",

@@ -7,8 +7,13 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from disagg.connector.wire.advertisement import (MAX_KV_METADATA_BYTES, EngineAdvertisement, EngineList, WatchEvent,
-                                            check_engine_id)
+from disagg.connector.wire.advertisement import (
+    MAX_KV_METADATA_BYTES,
+    EngineAdvertisement,
+    EngineList,
+    WatchEvent,
+    check_engine_id,
+)
 from support.rendezvous import advert, advert_json
 
 

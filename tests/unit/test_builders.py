@@ -12,6 +12,7 @@ from disagg.operator.builders import OperatorImages, build_children, endpoint_ur
 from disagg.operator.merge import deep_merge
 from support.crs import UID, make_cr
 
+
 def child(children: list[dict], kind: str, name: str) -> dict:
     [obj] = [c for c in children if c["kind"] == kind and c["metadata"]["name"] == name]
     return obj

@@ -5,8 +5,17 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from disagg.cli import parser
-from disagg.devcluster.demo_engines import (TIMING_HEADER, Result, Timing, comparison, printable, sample_sum, seconds,
-                                            sse_text, timing_row)
+from disagg.devcluster.demo_engines import (
+    TIMING_HEADER,
+    Result,
+    Timing,
+    comparison,
+    printable,
+    sample_sum,
+    seconds,
+    sse_text,
+    timing_row,
+)
 
 
 def test_sse_text_reads_completion_and_chat_chunks_and_skips_the_rest():

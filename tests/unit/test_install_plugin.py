@@ -146,7 +146,8 @@ def test_a_failed_copy_never_leaves_a_half_tree(tmp_path, monkeypatch):
     with pytest.raises(install_plugin.InstallError, match="No space left on device"):
         install_plugin.install(target)
     assert copied, "the copy had started"
-    assert {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()} == before, "the previous tree is untouched"
+    after = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert after == before, "the previous tree is untouched"
     assert sorted(p.name for p in (target / "disagg").iterdir()) == ["connector"]
 
 

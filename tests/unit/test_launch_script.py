@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from disagg.operator.launch_script import render_launch_script
 from disagg.operator.api import DisaggregatedInference
 from disagg.operator.builders import build_children
+from disagg.operator.launch_script import render_launch_script
 
 SH = "/bin/sh"
 ENGINE_ID = "qwen-decode-0-6f1d2c3a-1b2c-4d5e-8f90-0123456789ab"

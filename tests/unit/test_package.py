@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -30,6 +29,7 @@ def test_stdlib_operator_is_not_shadowed():
 
 
 def test_console_command_is_installed():
-    out = subprocess.run([str(Path(sys.executable).parent / "disagg"), "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([str(Path(sys.executable).parent / "disagg"), "--help"], capture_output=True, text=True,
+                         check=True).stdout
     for cmd in ("cluster", "demo"):
         assert cmd in out

@@ -166,7 +166,8 @@ def test_transport_unknown_until_something_is_known():
     assert verdict(EFA_SPEC, None) == ("Unknown", "AwaitingRendezvous")
     unreachable = TransportReport(url=URL, error="connection failed")
     status, reason, message = transport_verdict(EFA_SPEC, unreachable)
-    assert (status, reason) == ("Unknown", "RendezvousUnreachable") and URL in message and "connection failed" in message
+    assert (status, reason) == ("Unknown", "RendezvousUnreachable")
+    assert URL in message and "connection failed" in message
     assert verdict(EFA_SPEC, report()) == ("Unknown", "NoEnginesReported")
     status, reason, message = transport_verdict(EFA_SPEC, report(("a-0", "prefill", "LIBFABRIC"),
                                                                  ("b-0", "decode", None)))

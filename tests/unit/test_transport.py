@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 import socket
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import pytest
 
 from disagg.connector.rendezvous.auth import TokenAuth
-from disagg.connector.rendezvous.server import RendezvousServer
 from disagg.connector.rendezvous.client import RendezvousClient
+from disagg.connector.rendezvous.server import RendezvousServer
 from disagg.operator import names, run
 from disagg.operator.status import EngineTransport, TransportReport
 from disagg.operator.transport import DEFAULT_TEMPLATE, TransportPoller, check_template
