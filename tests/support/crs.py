@@ -1,9 +1,11 @@
 """DisaggregatedInference objects for the pure (no cluster) tests."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from disagg.operator.api import DisaggregatedInference
+from disagg.operator.builders import engine_args
 from disagg.operator.merge import deep_merge
 
 UID = "8d2c1f3e-0000-4000-8000-000000000001"
@@ -19,3 +21,22 @@ def make_cr(spec: dict[str, Any] | None = None, *, uid: str | None = UID, profil
     return DisaggregatedInference.model_validate({"apiVersion": "serving.disagg.io/v1alpha1",
                                                   "kind": "DisaggregatedInference", "metadata": metadata,
                                                   "spec": deep_merge(base, spec or {})})
+
+
+def child(children: list[dict], kind: str, name: str) -> dict:
+    [obj] = [c for c in children if c["kind"] == kind and c["metadata"]["name"] == name]
+    return obj
+
+def pod(children: list[dict], role: str, cr: str = "qwen") -> dict:
+    return child(children, "StatefulSet", f"{cr}-{role}")["spec"]["template"]
+
+def engine(children: list[dict], role: str) -> dict:
+    [c] = [c for c in pod(children, role)["spec"]["containers"] if c["name"] == "engine"]
+    return c
+
+def env_of(container: dict) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+def kv_config(spec_cr: DisaggregatedInference, role: str) -> dict:
+    args = engine_args(spec_cr.spec, role)
+    return json.loads(args[args.index("--kv-transfer-config") + 1])

@@ -1,217 +1,15 @@
+"""A CR's children as a whole (operator/builders.py): ownership, selectors, overlays, determinism, names."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 import yaml
 
 from disagg.operator import names
-from disagg.operator.api import DisaggregatedInference
-from disagg.operator.builders import OperatorImages, build_children, endpoint_url, engine_args
+from disagg.operator.builders import build_children
 from disagg.operator.merge import deep_merge
-from support.crs import UID, make_cr
-
-
-def child(children: list[dict], kind: str, name: str) -> dict:
-    [obj] = [c for c in children if c["kind"] == kind and c["metadata"]["name"] == name]
-    return obj
-
-
-def pod(children: list[dict], role: str, cr: str = "qwen") -> dict:
-    return child(children, "StatefulSet", f"{cr}-{role}")["spec"]["template"]
-
-
-def engine(children: list[dict], role: str) -> dict:
-    [c] = [c for c in pod(children, role)["spec"]["containers"] if c["name"] == "engine"]
-    return c
-
-
-def env_of(container: dict) -> dict[str, Any]:
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
-
-
-def kv_config(spec_cr: DisaggregatedInference, role: str) -> dict:
-    args = engine_args(spec_cr.spec, role)
-    return json.loads(args[args.index("--kv-transfer-config") + 1])
-
-
-def test_p5en_tp4_gets_four_gpus_eight_efa_hugepages_and_privileged():
-    children = build_children(make_cr(), images=OperatorImages())
-    for role in ("prefill", "decode"):
-        c = engine(children, role)
-        res = c["resources"]
-        for side in ("requests", "limits"):
-            assert res[side]["nvidia.com/gpu"] == "4"
-            assert res[side]["vpc.amazonaws.com/efa"] == "8"
-            assert res[side]["hugepages-2Mi"] == "5120Mi"
-        assert c["securityContext"] == {"privileged": True}
-        env = env_of(c)
-        assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
-        assert env["LD_LIBRARY_PATH"].startswith("/opt/amazon/efa/lib")
-        spec = pod(children, role)["spec"]
-        assert spec["nodeSelector"]["node.kubernetes.io/instance-type"] == "p5en.48xlarge"
-        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
-    assert kv_config(make_cr(), "prefill")["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"],
-                                                                           "push_registration_timeout": 60}
-
-
-def test_data_parallel_ranks_multiply_into_devices_and_efa():
-    cr = make_cr()
-    cr.spec.prefill.tensor_parallel_size, cr.spec.prefill.data_parallel_size = 2, 3
-    res = engine(build_children(cr, images=OperatorImages()), "prefill")["resources"]["limits"]
-    assert res["nvidia.com/gpu"] == "6" and res["vpc.amazonaws.com/efa"] == "12"
-
-
-def test_trn2_tp32_gets_eight_neuron_devices_and_ipc_lock_not_privileged():
-    cr = make_cr({"prefill": {"tensorParallelSize": 32}, "decode": {"tensorParallelSize": 32}}, profile="trainium2")
-    c = engine(build_children(cr), "decode")
-    assert c["resources"]["requests"]["aws.amazon.com/neuron"] == "8"
-    assert c["resources"]["limits"]["aws.amazon.com/neuron"] == "8"
-    assert "nvidia.com/gpu" not in c["resources"]["requests"]
-    assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
-    assert pod(build_children(cr), "decode")["spec"]["nodeSelector"] == {
-        "node.kubernetes.io/instance-type": "trn2.48xlarge"}
-
-
-def test_efa_off_drops_efa_resources_env_and_uses_ucx():
-    cr = make_cr({"accelerator": {"efa": "off"}})
-    children = build_children(cr)
-    for role in ("prefill", "decode"):
-        c = engine(children, role)
-        for side in ("requests", "limits"):
-            assert "vpc.amazonaws.com/efa" not in c["resources"][side]
-            assert "hugepages-2Mi" not in c["resources"][side]
-        assert not [n for n in env_of(c) if n.startswith("FI_")]
-        assert "LD_LIBRARY_PATH" not in env_of(c)
-        # No EFA to register GPU memory with: the privileged escape hatch is not needed.
-        assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
-        assert kv_config(cr, role)["kv_connector_extra_config"]["backends"] == ["UCX"]
-    script = child(children, "ConfigMap", "qwen-launch")["data"]["prefill.sh"]
-    assert "fi_info" not in script and "HugePages_Total" not in script
-
-
-def test_explicit_efa_count_is_used():
-    c = engine(build_children(make_cr({"accelerator": {"efa": 2}})), "prefill")
-    assert c["resources"]["limits"]["vpc.amazonaws.com/efa"] == "2"
-
-
-@pytest.mark.parametrize("mode, connector", [("pull", "NixlConnector"), ("push", "NixlPushConnector")])
-def test_mode_selects_connector(mode, connector):
-    cr = make_cr({"kvTransfer": {"mode": mode}})
-    assert kv_config(cr, "prefill")["kv_connector"] == connector
-    assert kv_config(cr, "prefill")["kv_role"] == "kv_producer"
-    assert kv_config(cr, "decode")["kv_role"] == "kv_consumer"
-    assert kv_config(cr, "decode")["engine_id"] == "$DISAGG_ENGINE_ID"
-    assert kv_config(cr, "decode")["kv_connector_module_path"] == "disagg.connector.plugin"
-    router = child(build_children(cr), "Deployment", "qwen-router")
-    command = router["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[command.index("--mode") + 1] == mode
-
-
-def test_connector_override_and_bidirectional_pull():
-    cr = make_cr({"kvTransfer": {"mode": "pull", "connector": "NeuronNixlConnector", "bidirectional": True}})
-    cfg = kv_config(cr, "prefill")
-    assert cfg["kv_connector"] == "NeuronNixlConnector" and cfg["kv_role"] == "kv_both"
-
-
-def _plugin_parts(cr: DisaggregatedInference, role: str) -> dict[str, Any]:
-    children = build_children(cr, images=OperatorImages(operator="registry.example/disagg:dev"))
-    spec = pod(children, role)["spec"]
-    eng = engine(children, role)
-    return {"module": kv_config(cr, role).get("kv_connector_module_path"),
-            "init": spec.get("initContainers", []), "pythonpath": env_of(eng).get("PYTHONPATH"),
-            "volumes": {v["name"]: v for v in spec["volumes"]},
-            "mounts": {m["name"]: m for m in eng["volumeMounts"]}}
-
-
-@pytest.mark.parametrize("mode, connector", [("push", None), ("pull", None), ("push", "NixlPushConnector"),
-                                             ("pull", "NixlConnector"), ("pull", "NixlPullConnector")])
-def test_connectors_the_plugin_wraps_load_it_from_the_init_containers_copy(mode, connector):
-    cr = make_cr({"kvTransfer": {"mode": mode, **({"connector": connector} if connector else {})}})
-    for role in ("prefill", "decode"):
-        parts = _plugin_parts(cr, role)
-        assert parts["module"] == "disagg.connector.plugin"
-        [init] = parts["init"]
-        assert init["image"] == "registry.example/disagg:dev", "the operator image carries the package"
-        assert init["command"] == ["disagg", "install-plugin", "/opt/disagg"]
-        [init_mount] = init["volumeMounts"]
-        assert not init_mount.get("readOnly")
-        engine_mount = parts["mounts"][init_mount["name"]]
-        assert engine_mount["mountPath"] == init_mount["mountPath"] == "/opt/disagg", "one volume, one path"
-        assert engine_mount["readOnly"] is True
-        assert parts["volumes"][init_mount["name"]] == {"name": init_mount["name"], "emptyDir": {}}
-        assert parts["pythonpath"] == "/opt/disagg"
-
-
-def test_a_vendor_connector_gets_no_plugin():
-    """NeuronNixlConnector is not one the plugin wraps: no module path, no init container, nothing to import."""
-    cr = make_cr({"kvTransfer": {"mode": "pull", "connector": "NeuronNixlConnector"}}, profile="trainium2")
-    for role in ("prefill", "decode"):
-        parts = _plugin_parts(cr, role)
-        assert parts["module"] is None and parts["init"] == [] and parts["pythonpath"] is None
-        assert "disagg-plugin" not in parts["volumes"] and "disagg-plugin" not in parts["mounts"]
-        assert kv_config(cr, role)["kv_connector"] == "NeuronNixlConnector"
-
-
-def test_engines_know_their_http_port():
-    """The plugin runs in vLLM's engine core, which does not know the API server's port; it advertises this one."""
-    for spec, port in (({}, "8000"), ({"engine": {"port": 9000}}, "9000")):
-        cr = make_cr(spec)
-        for role in ("prefill", "decode"):
-            eng = engine(build_children(cr), role)
-            assert env_of(eng)["DISAGG_HTTP_PORT"] == port
-            assert engine_args(cr.spec, role)[engine_args(cr.spec, role).index("--port") + 1] == port
-
-
-def test_engine_id_env_is_declared_after_the_vars_it_expands():
-    """Kubernetes expands $(VAR) only from variables defined earlier in the list."""
-    cr = make_cr({"decode": {"env": [{"name": "POD_NAME", "value": "x"}, {"name": "EXTRA", "value": "1"}]}})
-    for role in ("prefill", "decode"):
-        env = engine(build_children(cr), role)["env"]
-        order = [e["name"] for e in env]
-        assert len(order) == len(set(order))
-        by_name = {e["name"]: e for e in env}
-        assert by_name["DISAGG_ENGINE_ID"]["value"] == "$(POD_NAME)-$(POD_UID)"
-        assert order.index("POD_NAME") < order.index("DISAGG_ENGINE_ID")
-        assert order.index("POD_UID") < order.index("DISAGG_ENGINE_ID")
-        assert order.index("POD_IP") < order.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
-        assert by_name["POD_UID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
-        assert by_name["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-        assert by_name["VLLM_NIXL_SIDE_CHANNEL_HOST"]["value"] == "$(POD_IP)"
-        assert by_name["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
-        assert by_name["DISAGG_ROLE"]["value"] == role
-        assert by_name["DISAGG_DEPLOYMENT"]["value"] == "qwen"
-        assert by_name["DISAGG_RENDEZVOUS_URL"]["value"] == "http://qwen-rendezvous.ml.svc:8080"
-        assert by_name["DISAGG_HEARTBEAT_SECONDS"]["value"] == "5"
-        assert by_name["PYTHONPATH"]["value"] == "/opt/disagg"
-    decode = engine(build_children(cr), "decode")["env"]
-    names_in_order = [e["name"] for e in decode]
-    # The override keeps the operator's position (still before DISAGG_ENGINE_ID) with the user's value.
-    assert {e["name"]: e for e in decode}["POD_NAME"] == {"name": "POD_NAME", "value": "x"}
-    assert names_in_order.index("POD_NAME") < names_in_order.index("DISAGG_ENGINE_ID")
-    assert names_in_order[-1] == "EXTRA"
-
-
-def test_role_env_wins_over_engine_env():
-    cr = make_cr({"engine": {"env": [{"name": "A", "value": "engine"}, {"name": "B", "value": "engine"}]},
-                  "prefill": {"env": [{"name": "A", "value": "prefill"}]}})
-    assert env_of(engine(build_children(cr), "prefill"))["A"] == "prefill"
-    assert env_of(engine(build_children(cr), "decode"))["A"] == "engine"
-    assert env_of(engine(build_children(cr), "prefill"))["B"] == "engine"
-
-
-def test_layout_key_matches_between_roles_and_tracks_block_size():
-    children = build_children(make_cr())
-    prefill = env_of(engine(children, "prefill"))["DISAGG_LAYOUT_KEY"]
-    decode = env_of(engine(children, "decode"))["DISAGG_LAYOUT_KEY"]
-    assert prefill == decode
-    assert len(prefill) == 16 and int(prefill, 16) >= 0
-    other = names.layout_key(make_cr({"engine": {"blockSize": 64}}).spec)
-    assert other != prefill
-    # Role-local knobs (replicas, TP) do not change what must match.
-    assert names.layout_key(make_cr({"decode": {"replicas": 3, "tensorParallelSize": 8}}).spec) == prefill
-    assert names.layout_key(make_cr({"kvTransfer": {"mode": "pull"}}).spec) != prefill
+from support.crs import UID, engine, env_of, make_cr, pod
 
 
 def test_every_child_is_owned_by_the_cr_in_its_namespace():
@@ -234,12 +32,10 @@ def test_every_child_is_owned_by_the_cr_in_its_namespace():
         ("Service", "qwen-decode"), ("StatefulSet", "qwen-decode"), ("PodDisruptionBudget", "qwen-decode"),
         ("Service", "qwen-router"), ("Deployment", "qwen-router")])
 
-
 def test_offline_render_has_no_owner_references():
     for obj in build_children(make_cr(uid=None)):
         assert "ownerReferences" not in obj["metadata"]
         assert names.OWNER_UID_ANNOTATION not in obj["metadata"].get("annotations", {})
-
 
 def test_selectors_use_only_instance_and_component_and_match_pod_labels():
     children = build_children(make_cr())
@@ -254,7 +50,6 @@ def test_selectors_use_only_instance_and_component_and_match_pod_labels():
         if "template" in obj["spec"]:
             assert selector.items() <= obj["spec"]["template"]["metadata"]["labels"].items()
     assert pod(children, "decode")["metadata"]["labels"]["serving.disagg.io/role"] == "decode"
-
 
 def test_pod_template_overlay_merges_sidecar_and_env_by_name():
     overlay = {"metadata": {"labels": {names.LABEL_COMPONENT: "hijacked", "team": "ml"}},
@@ -279,13 +74,11 @@ def test_pod_template_overlay_merges_sidecar_and_env_by_name():
     # The other role is untouched.
     assert [c["name"] for c in pod(build_children(cr), "decode")["spec"]["containers"]] == ["engine"]
 
-
 def test_deep_merge_rules():
     base = {"a": {"b": 1, "c": [1, 2]}, "items": [{"name": "x", "v": 1}], "gone": 1}
     merged = deep_merge(base, {"a": {"c": [3]}, "items": [{"name": "x", "w": 2}, {"name": "y"}], "gone": None})
     assert merged == {"a": {"b": 1, "c": [3]}, "items": [{"name": "x", "v": 1, "w": 2}, {"name": "y"}]}
     assert base["items"] == [{"name": "x", "v": 1}] and "gone" in base
-
 
 def test_build_is_deterministic():
     cr = make_cr({"prefill": {"nodeSelector": {"z": "1", "a": "2"}}, "decode": {"dataParallelSize": 2}})
@@ -294,313 +87,10 @@ def test_build_is_deterministic():
     assert yaml.safe_dump_all(first) == yaml.safe_dump_all(second)
     assert json.dumps(first) == json.dumps(second)
 
-
 def test_children_share_no_objects():
     children = build_children(make_cr())
     engine(children, "prefill")["env"].clear()
     assert engine(children, "decode")["env"]
-
-
-def test_resources_defaults_and_overrides():
-    cr = make_cr({"decode": {"resources": {"requests": {"memory": "300Gi", "cpu": 40},
-                                           "limits": {"ephemeral-storage": "100Gi"}}}})
-    children = build_children(cr)
-    p = engine(children, "prefill")["resources"]
-    assert p["requests"]["cpu"] == "48" and p["requests"]["memory"] == "512Gi"
-    assert p["limits"]["memory"] == "512Gi" and "cpu" not in p["limits"]
-    d = engine(children, "decode")["resources"]
-    # A one-sided memory override keeps request == limit; cpu has no limit to follow.
-    assert d["requests"]["memory"] == d["limits"]["memory"] == "300Gi"
-    assert d["requests"]["cpu"] == "40" and "cpu" not in d["limits"]
-    assert d["limits"]["ephemeral-storage"] == "100Gi" and "ephemeral-storage" not in d["requests"]
-
-
-def test_startup_probe_budgets():
-    nvidia = engine(build_children(make_cr()), "prefill")["startupProbe"]
-    assert nvidia["httpGet"] == {"path": "/health", "port": "http"} and nvidia["periodSeconds"] == 10
-    assert nvidia["periodSeconds"] * nvidia["failureThreshold"] >= 30 * 60
-    for profile in ("trainium2", "trainium1"):
-        trn = engine(build_children(make_cr(profile=profile)), "prefill")
-        probe = trn["startupProbe"]
-        assert probe["periodSeconds"] * probe["failureThreshold"] >= 60 * 60
-        assert trn["readinessProbe"]["httpGet"]["path"] == trn["livenessProbe"]["httpGet"]["path"] == "/health"
-
-
-def test_container_basics_volumes_and_plugin_init_container():
-    images = OperatorImages(operator="registry.example/disagg:dev")
-    template = pod(build_children(make_cr(), images=images), "decode")
-    spec = template["spec"]
-    eng = engine(build_children(make_cr(), images=images), "decode")
-    assert eng["command"] == ["/bin/sh", "/etc/disagg/decode.sh"] and not eng.get("args")
-    assert eng["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    assert eng["terminationMessagePath"] == "/dev/termination-log"
-    [init] = spec["initContainers"]
-    assert init["name"] == "install-plugin" and init["image"] == "registry.example/disagg:dev"
-    assert init["command"] == ["disagg", "install-plugin", "/opt/disagg"]
-    volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
-    assert volumes["launch"]["configMap"] == {"name": "qwen-launch", "defaultMode": 0o755}
-    assert volumes["disagg-plugin"]["emptyDir"] == {}
-    assert volumes["hf-cache"]["emptyDir"] == {}
-    mounts = {m["mountPath"]: m["name"] for m in eng["volumeMounts"]}
-    assert mounts == {"/dev/shm": "dshm", "/etc/disagg": "launch", "/opt/disagg": "disagg-plugin",
-                      "/root/.cache/huggingface": "hf-cache", "/var/run/secrets/disagg/rendezvous": "rendezvous-token"}
-
-
-def test_pvc_model_source_and_hub_token():
-    cr = make_cr({"model": {"source": {"pvc": {"claimName": "weights", "path": "/qwen/32b/"}}}})
-    children = build_children(cr)
-    spec = pod(children, "prefill")["spec"]
-    assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in spec["volumes"]
-    eng = engine(children, "prefill")
-    assert {"name": "models", "mountPath": "/models", "readOnly": True} in eng["volumeMounts"]
-    args = engine_args(cr.spec, "prefill")
-    assert args[args.index("--model") + 1] == "/models/qwen/32b"
-    assert args[args.index("--served-model-name") + 1] == "Qwen/Qwen3-32B"
-    assert "HF_TOKEN" not in env_of(eng)
-
-    hub = make_cr({"model": {"source": {"hub": {"tokenSecret": {"name": "hf"}}}}})
-    env = env_of(engine(build_children(hub), "decode"))
-    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
-    args = engine_args(hub.spec, "decode")
-    assert args[args.index("--model") + 1] == "Qwen/Qwen3-32B"
-
-
-def test_engine_args_order_and_optional_flags():
-    cr = make_cr({"model": {"maxModelLen": 16384, "dtype": "bfloat16", "servedName": "qwen"},
-                  "engine": {"args": ["--enable-prefix-caching"], "blockSize": 64, "port": 9000},
-                  "decode": {"dataParallelSize": 2, "args": ["--max-num-seqs", "64"]}})
-    prefill, decode = engine_args(cr.spec, "prefill"), engine_args(cr.spec, "decode")
-    assert "--data-parallel-size" not in prefill
-    assert decode[decode.index("--data-parallel-size") + 1] == "2"
-    for args in (prefill, decode):
-        assert args[args.index("--max-model-len") + 1] == "16384"
-        assert args[args.index("--dtype") + 1] == "bfloat16"
-        assert args[args.index("--block-size") + 1] == "64"
-        assert args[args.index("--port") + 1] == "9000"
-        assert args[args.index("--served-model-name") + 1] == "qwen"
-        assert args[args.index("--tensor-parallel-size") + 1] == "4"
-        assert args[args.index("--pipeline-parallel-size") + 1] == "1"
-        assert args.index("--kv-transfer-config") < args.index("--enable-prefix-caching")
-    assert decode[-3:] == ["--enable-prefix-caching", "--max-num-seqs", "64"]
-    assert prefill[-1] == "--enable-prefix-caching"
-
-
-def test_stopping_engines_drain_within_the_pods_grace_period():
-    """Rolling updates keep serving: vLLM finishes in-flight requests for drainSeconds (`--shutdown-timeout`), and
-    the kubelet waits longer than that before it kills the pod."""
-    for overrides, drain in (({}, 30), ({"engine": {"drainSeconds": 120}}, 120), ({"engine": {"drainSeconds": 0}}, 0)):
-        cr = make_cr(overrides)
-        children = build_children(cr)
-        for role in ("prefill", "decode"):
-            args = engine_args(cr.spec, role)
-            assert args[args.index("--shutdown-timeout") + 1] == str(drain)
-            assert args.index("--shutdown-timeout") < args.index("--kv-transfer-config")  # user args still win
-            assert pod(children, role)["spec"]["terminationGracePeriodSeconds"] == drain + 15
-
-
-def test_side_channel_ports_per_dp_rank_on_container_and_headless_service():
-    cr = make_cr({"decode": {"dataParallelSize": 3}, "kvTransfer": {"sideChannelPort": 6000}})
-    children = build_children(cr)
-    ports = {p["name"]: p["containerPort"] for p in engine(children, "decode")["ports"]}
-    assert ports == {"http": 8000, "nixl-0": 6000, "nixl-1": 6001, "nixl-2": 6002}
-    svc = child(children, "Service", "qwen-decode")
-    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
-    assert {p["name"] for p in engine(children, "prefill")["ports"]} == {"http", "nixl-0"}
-
-
-def test_port_collision_is_rejected_naming_the_field():
-    with pytest.raises(ValueError, match="spec.engine.port"):
-        build_children(make_cr({"engine": {"port": 5601}, "decode": {"dataParallelSize": 2}}))
-
-
-def test_statefulset_and_pdb_shape():
-    children = build_children(make_cr({"decode": {"replicas": 3}}))
-    sts = child(children, "StatefulSet", "qwen-decode")["spec"]
-    assert sts["replicas"] == 3 and sts["serviceName"] == "qwen-decode"
-    assert sts["podManagementPolicy"] == "Parallel" and sts["updateStrategy"] == {"type": "RollingUpdate"}
-    pdb = child(children, "PodDisruptionBudget", "qwen-prefill")
-    assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
-    assert pdb["spec"]["selector"]["matchLabels"] == names.selector_labels("qwen", "prefill")
-
-
-def _matches(selector: dict, labels: dict) -> bool:
-    if not selector["matchLabels"].items() <= labels.items():
-        return False
-    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
-
-
-def test_placement_affinity():
-    children = build_children(make_cr())
-    for role, other in (("prefill", "decode"), ("decode", "prefill")):
-        template = pod(children, role)
-        labels, affinity = template["metadata"]["labels"], template["spec"]["affinity"]
-        [zone] = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        assert zone["topologyKey"] == "topology.kubernetes.io/zone"
-        # Self-matching is what lets the scheduler place the very first engine pod.
-        assert _matches(zone["labelSelector"], labels)
-        assert _matches(zone["labelSelector"], pod(children, other)["metadata"]["labels"])
-        assert not _matches(zone["labelSelector"], {**labels, names.LABEL_INSTANCE: "another-cr"})
-        [layer] = affinity["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-        assert layer["podAffinityTerm"]["topologyKey"] == "topology.k8s.aws/network-node-layer-3"
-        assert _matches(layer["podAffinityTerm"]["labelSelector"], pod(children, other)["metadata"]["labels"])
-        assert not _matches(layer["podAffinityTerm"]["labelSelector"], labels)
-        [spread] = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-        assert spread["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
-        assert _matches(spread["podAffinityTerm"]["labelSelector"], labels)
-        assert not _matches(spread["podAffinityTerm"]["labelSelector"], pod(children, other)["metadata"]["labels"])
-
-
-def test_placement_off_and_role_affinity_merge():
-    off = make_cr({"placement": {"sameZone": False, "spreadAcrossNodes": False, "preferNetworkLayer": False}})
-    assert "affinity" not in pod(build_children(off), "prefill")["spec"]
-    node_affinity = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-        {"matchExpressions": [{"key": "karpenter.sh/capacity-type", "operator": "In", "values": ["on-demand"]}]}]}}
-    cr = make_cr({"decode": {"affinity": {"nodeAffinity": node_affinity}}})
-    affinity = pod(build_children(cr), "decode")["spec"]["affinity"]
-    assert affinity["nodeAffinity"] == node_affinity
-    assert "requiredDuringSchedulingIgnoredDuringExecution" in affinity["podAffinity"]
-    assert "nodeAffinity" not in pod(build_children(cr), "prefill")["spec"]["affinity"]
-
-
-def test_node_selector_and_tolerations_merge():
-    cr = make_cr({"prefill": {"nodeSelector": {"karpenter.sh/capacity-type": "on-demand"},
-                              "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml",
-                                               "effect": "NoSchedule"}]}})
-    spec = pod(build_children(cr), "prefill")["spec"]
-    assert spec["nodeSelector"] == {"karpenter.sh/capacity-type": "on-demand",
-                                    "node.kubernetes.io/instance-type": "p5en.48xlarge"}
-    assert spec["tolerations"] == [
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-        {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}]
-
-
-def test_launch_configmap_and_hash_annotation_roll_pods_on_arg_change():
-    children = build_children(make_cr())
-    data = child(children, "ConfigMap", "qwen-launch")["data"]
-    assert sorted(data) == ["decode.sh", "prefill.sh"]
-    assert '"kv_role":"kv_consumer"' in data["decode.sh"] and '"kv_role":"kv_producer"' in data["prefill.sh"]
-    before = pod(children, "decode")["metadata"]["annotations"]
-    after = pod(build_children(make_cr({"decode": {"args": ["--max-num-seqs", "8"]}})), "decode")
-    assert after["metadata"]["annotations"] != before
-    assert pod(build_children(make_cr({"decode": {"args": ["--max-num-seqs", "8"]}})), "prefill")[
-        "metadata"]["annotations"] == pod(children, "prefill")["metadata"]["annotations"]
-
-
-def test_router_and_rendezvous():
-    cr = make_cr({"router": {"replicas": 2, "serviceType": "LoadBalancer", "port": 80},
-                  "rendezvous": {"heartbeatSeconds": 7}})
-    children = build_children(cr, images=OperatorImages("img:1"))
-    router = child(children, "Deployment", "qwen-router")
-    assert router["spec"]["replicas"] == 2
-    [c] = router["spec"]["template"]["spec"]["containers"]
-    assert c["image"] == "img:1"
-    assert c["command"] == ["disagg", "router", "--mode", "push", "--rendezvous",
-                            "http://qwen-rendezvous.ml.svc:8080", "--port", "8000"]
-    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert c["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
-    svc = child(children, "Service", "qwen-router")["spec"]
-    assert svc["type"] == "LoadBalancer"
-    assert svc["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
-    assert endpoint_url(cr) == "http://qwen-router.ml.svc:80"
-
-    rdv = child(children, "Deployment", "qwen-rendezvous")
-    assert rdv["spec"]["replicas"] == 1 and rdv["spec"]["strategy"] == {"type": "Recreate"}
-    [c] = rdv["spec"]["template"]["spec"]["containers"]
-    assert c["command"][:4] == ["disagg", "rendezvous", "--port", "8080"]
-    assert c["command"][4:6] == ["--heartbeat-seconds", "7"]
-    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-    svc = child(children, "Service", "qwen-rendezvous")["spec"]
-    assert svc["type"] == "ClusterIP" and svc["ports"][0]["port"] == 8080
-
-
-def test_rendezvous_auth_kubernetes_is_the_default():
-    """Engines present their pod's projected ServiceAccount token; the rendezvous, as its own ServiceAccount bound
-    to system:auth-delegator, verifies it with a TokenReview. No shared Secret anywhere."""
-    cr = make_cr()
-    assert cr.spec.rendezvous.auth == "kubernetes"
-    children = build_children(cr)
-    rdv = child(children, "Deployment", "qwen-rendezvous")["spec"]["template"]["spec"]
-    [c] = rdv["containers"]
-    assert c["command"] == ["disagg", "rendezvous", "--port", "8080", "--heartbeat-seconds", "5", "--auth",
-                            "kubernetes", "--deployment", "qwen"]
-    assert c["env"] == [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
-    assert rdv["serviceAccountName"] == "qwen-rendezvous" and rdv["automountServiceAccountToken"] is True
-
-    sa = child(children, "ServiceAccount", "qwen-rendezvous")
-    assert sa["metadata"]["namespace"] == "ml" and sa["metadata"]["ownerReferences"][0]["uid"] == UID
-    binding = child(children, "ClusterRoleBinding", "disagg-rendezvous:ml:qwen")
-    assert "namespace" not in binding["metadata"] and "ownerReferences" not in binding["metadata"], \
-        "cluster-scoped: a namespaced CR cannot own it (the operator removes it, see reconciler.collect_bindings)"
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": "system:auth-delegator"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qwen-rendezvous", "namespace": "ml"}]
-    assert binding["metadata"]["labels"] == {**names.labels("qwen", "rendezvous"), "serving.disagg.io/namespace": "ml"}
-    assert binding["metadata"]["annotations"] == {"serving.disagg.io/owner": "ml/qwen",
-                                                  "serving.disagg.io/owner-uid": UID}
-    # Applied before the Deployment whose pods run as the ServiceAccount.
-    order = [(o["kind"], o["metadata"]["name"]) for o in children]
-    assert order.index(("ServiceAccount", "qwen-rendezvous")) < order.index(("Deployment", "qwen-rendezvous"))
-    assert order.index(("ClusterRoleBinding", "disagg-rendezvous:ml:qwen")) < \
-        order.index(("Deployment", "qwen-rendezvous"))
-
-    for role in ("prefill", "decode"):
-        eng, spec = engine(children, role), pod(children, role)["spec"]
-        env = env_of(eng)
-        assert env["DISAGG_RENDEZVOUS_TOKEN_FILE"] == "/var/run/secrets/disagg/rendezvous/token"
-        assert "DISAGG_RENDEZVOUS_TOKEN" not in env
-        [volume] = [v for v in spec["volumes"] if v["name"] == "rendezvous-token"]
-        assert volume["projected"] == {"sources": [{"serviceAccountToken": {
-            "audience": "disagg-rendezvous", "expirationSeconds": 3600, "path": "token"}}]}
-        assert {"name": "rendezvous-token", "mountPath": "/var/run/secrets/disagg/rendezvous", "readOnly": True} \
-            in eng["volumeMounts"]
-        assert spec["automountServiceAccountToken"] is False, "engines never get an API-server token"
-    assert not [o for o in children if o["kind"] == "Secret"]
-
-
-def test_the_engines_token_audience_is_the_one_the_rendezvous_checks():
-    from disagg.connector.rendezvous.auth import pod_name_pattern
-
-    # The StatefulSets' pods are the names the rendezvous accepts.
-    children = build_children(make_cr({"prefill": {"replicas": 2}}))
-    for role in ("prefill", "decode"):
-        sts = child(children, "StatefulSet", f"qwen-{role}")["metadata"]["name"]
-        assert pod_name_pattern("qwen").match(f"{sts}-0") and pod_name_pattern("qwen").match(f"{sts}-1")
-    assert not pod_name_pattern("qwen").match("qwen-router-0")
-
-
-def test_rendezvous_auth_token_uses_the_shared_secret():
-    children = build_children(make_cr({"rendezvous": {"auth": "token"}}))
-    rdv = child(children, "Deployment", "qwen-rendezvous")["spec"]["template"]["spec"]
-    [c] = rdv["containers"]
-    assert c["command"][-4:] == ["--auth", "token", "--deployment", "qwen"]
-    token_ref = {"name": "DISAGG_RENDEZVOUS_TOKEN",
-                 "valueFrom": {"secretKeyRef": {"name": "qwen-rendezvous-token", "key": "token"}}}
-    assert c["env"] == [token_ref]
-    assert "serviceAccountName" not in rdv and rdv["automountServiceAccountToken"] is False
-    for role in ("prefill", "decode"):
-        eng = engine(children, role)
-        assert token_ref in eng["env"], "engines present the same token for their writes"
-        assert "DISAGG_RENDEZVOUS_TOKEN_FILE" not in env_of(eng)
-        assert "rendezvous-token" not in [v["name"] for v in pod(children, role)["spec"]["volumes"]]
-    assert not [o for o in children if o["kind"] in ("ServiceAccount", "ClusterRoleBinding")]
-
-
-def test_rendezvous_binding_names_are_unambiguous_and_bounded():
-    # A dash would let namespace "a-b" with CR "c" collide with namespace "a" with CR "b-c".
-    assert names.rendezvous_binding_name("a-b", "c") != names.rendezvous_binding_name("a", "b-c")
-    assert names.rendezvous_binding_name("ml", "qwen") == "disagg-rendezvous:ml:qwen"
-    ns, long = "n" * 63, "x" * 253
-    name = names.rendezvous_binding_name(ns, long)
-    assert len(name) == 253 and name.startswith(f"disagg-rendezvous:{ns}:xxx")
-    assert name != names.rendezvous_binding_name(ns, long[:-1] + "y"), "the hash covers the whole name"
-
-
-def test_rendezvous_auth_rejects_other_values():
-    with pytest.raises(Exception, match="auth"):
-        make_cr({"rendezvous": {"auth": "none"}})
-
 
 def test_names():
     assert names.engine_name("a", "prefill") == "a-prefill"
@@ -611,7 +101,6 @@ def test_names():
     assert names.labels("a", "router") == {
         "app.kubernetes.io/name": "disagg", "app.kubernetes.io/instance": "a",
         "app.kubernetes.io/component": "router", "app.kubernetes.io/managed-by": "disagg-operator"}
-
 
 def test_every_field_is_a_real_kubernetes_field():
     """lightkube's typed models drop unknown keys, so a misspelled field breaks the round trip."""

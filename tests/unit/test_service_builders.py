@@ -1,0 +1,117 @@
+"""The router and rendezvous children (operator/service_builders.py), and the rendezvous auth they carry."""
+from __future__ import annotations
+
+import pytest
+
+from disagg.operator import names
+from disagg.operator.builders import OperatorImages, build_children, endpoint_url
+from support.crs import UID, child, engine, env_of, make_cr, pod
+
+
+def test_router_and_rendezvous():
+    cr = make_cr({"router": {"replicas": 2, "serviceType": "LoadBalancer", "port": 80},
+                  "rendezvous": {"heartbeatSeconds": 7}})
+    children = build_children(cr, images=OperatorImages("img:1"))
+    router = child(children, "Deployment", "qwen-router")
+    assert router["spec"]["replicas"] == 2
+    [c] = router["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "img:1"
+    assert c["command"] == ["disagg", "router", "--mode", "push", "--rendezvous",
+                            "http://qwen-rendezvous.ml.svc:8080", "--port", "8000"]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
+    svc = child(children, "Service", "qwen-router")["spec"]
+    assert svc["type"] == "LoadBalancer"
+    assert svc["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    assert endpoint_url(cr) == "http://qwen-router.ml.svc:80"
+
+    rdv = child(children, "Deployment", "qwen-rendezvous")
+    assert rdv["spec"]["replicas"] == 1 and rdv["spec"]["strategy"] == {"type": "Recreate"}
+    [c] = rdv["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:4] == ["disagg", "rendezvous", "--port", "8080"]
+    assert c["command"][4:6] == ["--heartbeat-seconds", "7"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    svc = child(children, "Service", "qwen-rendezvous")["spec"]
+    assert svc["type"] == "ClusterIP" and svc["ports"][0]["port"] == 8080
+
+def test_rendezvous_auth_kubernetes_is_the_default():
+    """Engines present their pod's projected ServiceAccount token; the rendezvous, as its own ServiceAccount bound
+    to system:auth-delegator, verifies it with a TokenReview. No shared Secret anywhere."""
+    cr = make_cr()
+    assert cr.spec.rendezvous.auth == "kubernetes"
+    children = build_children(cr)
+    rdv = child(children, "Deployment", "qwen-rendezvous")["spec"]["template"]["spec"]
+    [c] = rdv["containers"]
+    assert c["command"] == ["disagg", "rendezvous", "--port", "8080", "--heartbeat-seconds", "5", "--auth",
+                            "kubernetes", "--deployment", "qwen"]
+    assert c["env"] == [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    assert rdv["serviceAccountName"] == "qwen-rendezvous" and rdv["automountServiceAccountToken"] is True
+
+    sa = child(children, "ServiceAccount", "qwen-rendezvous")
+    assert sa["metadata"]["namespace"] == "ml" and sa["metadata"]["ownerReferences"][0]["uid"] == UID
+    binding = child(children, "ClusterRoleBinding", "disagg-rendezvous:ml:qwen")
+    assert "namespace" not in binding["metadata"] and "ownerReferences" not in binding["metadata"], \
+        "cluster-scoped: a namespaced CR cannot own it (the operator removes it, see reconciler.collect_bindings)"
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": "system:auth-delegator"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qwen-rendezvous", "namespace": "ml"}]
+    assert binding["metadata"]["labels"] == {**names.labels("qwen", "rendezvous"), "serving.disagg.io/namespace": "ml"}
+    assert binding["metadata"]["annotations"] == {"serving.disagg.io/owner": "ml/qwen",
+                                                  "serving.disagg.io/owner-uid": UID}
+    # Applied before the Deployment whose pods run as the ServiceAccount.
+    order = [(o["kind"], o["metadata"]["name"]) for o in children]
+    assert order.index(("ServiceAccount", "qwen-rendezvous")) < order.index(("Deployment", "qwen-rendezvous"))
+    assert order.index(("ClusterRoleBinding", "disagg-rendezvous:ml:qwen")) < \
+        order.index(("Deployment", "qwen-rendezvous"))
+
+    for role in ("prefill", "decode"):
+        eng, spec = engine(children, role), pod(children, role)["spec"]
+        env = env_of(eng)
+        assert env["DISAGG_RENDEZVOUS_TOKEN_FILE"] == "/var/run/secrets/disagg/rendezvous/token"
+        assert "DISAGG_RENDEZVOUS_TOKEN" not in env
+        [volume] = [v for v in spec["volumes"] if v["name"] == "rendezvous-token"]
+        assert volume["projected"] == {"sources": [{"serviceAccountToken": {
+            "audience": "disagg-rendezvous", "expirationSeconds": 3600, "path": "token"}}]}
+        assert {"name": "rendezvous-token", "mountPath": "/var/run/secrets/disagg/rendezvous", "readOnly": True} \
+            in eng["volumeMounts"]
+        assert spec["automountServiceAccountToken"] is False, "engines never get an API-server token"
+    assert not [o for o in children if o["kind"] == "Secret"]
+
+def test_the_engines_token_audience_is_the_one_the_rendezvous_checks():
+    from disagg.connector.rendezvous.auth import pod_name_pattern
+
+    # The StatefulSets' pods are the names the rendezvous accepts.
+    children = build_children(make_cr({"prefill": {"replicas": 2}}))
+    for role in ("prefill", "decode"):
+        sts = child(children, "StatefulSet", f"qwen-{role}")["metadata"]["name"]
+        assert pod_name_pattern("qwen").match(f"{sts}-0") and pod_name_pattern("qwen").match(f"{sts}-1")
+    assert not pod_name_pattern("qwen").match("qwen-router-0")
+
+def test_rendezvous_auth_token_uses_the_shared_secret():
+    children = build_children(make_cr({"rendezvous": {"auth": "token"}}))
+    rdv = child(children, "Deployment", "qwen-rendezvous")["spec"]["template"]["spec"]
+    [c] = rdv["containers"]
+    assert c["command"][-4:] == ["--auth", "token", "--deployment", "qwen"]
+    token_ref = {"name": "DISAGG_RENDEZVOUS_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": "qwen-rendezvous-token", "key": "token"}}}
+    assert c["env"] == [token_ref]
+    assert "serviceAccountName" not in rdv and rdv["automountServiceAccountToken"] is False
+    for role in ("prefill", "decode"):
+        eng = engine(children, role)
+        assert token_ref in eng["env"], "engines present the same token for their writes"
+        assert "DISAGG_RENDEZVOUS_TOKEN_FILE" not in env_of(eng)
+        assert "rendezvous-token" not in [v["name"] for v in pod(children, role)["spec"]["volumes"]]
+    assert not [o for o in children if o["kind"] in ("ServiceAccount", "ClusterRoleBinding")]
+
+def test_rendezvous_binding_names_are_unambiguous_and_bounded():
+    # A dash would let namespace "a-b" with CR "c" collide with namespace "a" with CR "b-c".
+    assert names.rendezvous_binding_name("a-b", "c") != names.rendezvous_binding_name("a", "b-c")
+    assert names.rendezvous_binding_name("ml", "qwen") == "disagg-rendezvous:ml:qwen"
+    ns, long = "n" * 63, "x" * 253
+    name = names.rendezvous_binding_name(ns, long)
+    assert len(name) == 253 and name.startswith(f"disagg-rendezvous:{ns}:xxx")
+    assert name != names.rendezvous_binding_name(ns, long[:-1] + "y"), "the hash covers the whole name"
+
+def test_rendezvous_auth_rejects_other_values():
+    with pytest.raises(Exception, match="auth"):
+        make_cr({"rendezvous": {"auth": "none"}})
