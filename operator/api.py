@@ -7,13 +7,14 @@ apiserver itself rejects bad input with a message that names the field.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict
 
 from . import names
-from .profiles import GPU, PROFILES
+from .profiles import GPU, PROFILES, Profile
 
 GROUP = "serving.disagg.io"
 VERSION = "v1alpha1"
@@ -48,6 +49,12 @@ def _cel(rule: str, message: str | None = None, *, message_expression: str | Non
     return out
 
 
+def _validations(*rules: dict[str, str]) -> JsonDict:
+    """A model's `json_schema_extra`: its CEL rules. pydantic types the values as JsonValue; a dict[str, str] is
+    one, but dict is invariant, so each rule is copied into a JsonDict."""
+    return {"x-kubernetes-validations": [{k: v for k, v in rule.items()} for rule in rules]}
+
+
 def _fmt(template: str, *args: str) -> str:
     """A CEL messageExpression `"template".format([args])` (%d for ints, %s for strings).
 
@@ -65,7 +72,7 @@ def _cel_map(values: dict[str, Any]) -> str:
     return "{" + ", ".join(f"{lit(k)}: {lit(v)}" for k, v in values.items()) + "}"
 
 
-def _rank_unit(p) -> str:
+def _rank_unit(p: Profile) -> str:
     if p.accelerator_resource == GPU:
         return "GPUs"
     return "logical NeuronCores" if "NEURON_RT_VIRTUAL_CORE_SIZE" in p.env else "NeuronCores"
@@ -116,9 +123,9 @@ class HubSource(Model):
 class ModelSource(Model):
     """Where the weights come from. Exactly one of `pvc` or `hub`; the hub is used when neither is set."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+    model_config = ConfigDict(json_schema_extra=_validations(
         _cel("!(has(self.pvc) && has(self.hub))",
-             "set at most one of pvc and hub (neither means the hub)")]})
+             "set at most one of pvc and hub (neither means the hub)")))
     pvc: PVCSource | None = None
     """Load the model from an existing PersistentVolumeClaim."""
     hub: HubSource | None = None
@@ -152,11 +159,11 @@ class EnvVar(Model):
 class EngineSpec(Model):
     """Settings shared by the prefill and decode engines."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+    model_config = ConfigDict(json_schema_extra=_validations(
         _cel(f"self.blockSize in {BLOCK_SIZES}",
              message_expression=_fmt("must be a power of two from 1 to 4096 (128 is recommended for NIXL); got %d",
                                      "self.blockSize"),
-             field_path=".blockSize")]})
+             field_path=".blockSize")))
     image: str = Field(default="vllm/vllm-openai:v0.32.0", min_length=1)
     """vLLM image for both roles. On EFA it must carry the EFA userspace (libfabric with the efa provider)."""
     block_size: int = Field(default=128, ge=1, le=4096)
@@ -177,7 +184,7 @@ class EngineSpec(Model):
 class KVTransferSpec(Model):
     """How KV cache moves from prefill to decode."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+    model_config = ConfigDict(json_schema_extra=_validations(
         _cel("!(self.mode == 'push' && self.bidirectional)",
              "push mode does not support bidirectional KV transfer; set spec.kvTransfer.mode: pull or "
              "bidirectional: false", field_path=".bidirectional"),
@@ -188,7 +195,7 @@ class KVTransferSpec(Model):
                  "for the mode's default",
                  "self.connector", "self.mode", "self.mode", f"'{' or '.join(sorted(PUSH_CONNECTORS))}'"),
              field_path=".connector"),
-    ]})
+    ))
     mode: Literal["push", "pull"] = "push"
     """`push`: decode pre-registers its blocks and prefill WRITEs KV as soon as it finishes (NixlPushConnector).
     `pull`: decode READs KV after prefill returns (NixlConnector)."""
@@ -208,7 +215,7 @@ class KVTransferSpec(Model):
     """How long a decode request waits for its KV before it is aborted (vLLM's default is 480 s)."""
 
 
-EfaSetting = Union[Literal["auto", "off"], Annotated[int, Field(ge=0)]]
+EfaSetting = Literal["auto", "off"] | Annotated[int, Field(ge=0)]
 
 
 class AcceleratorSpec(Model):
@@ -216,7 +223,7 @@ class AcceleratorSpec(Model):
     per-pod EFA share and the security settings."""
 
     # `efa` is int-or-string, which CEL types as dyn: `type(self.efa) == int` tells the two apart at runtime.
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+    model_config = ConfigDict(json_schema_extra=_validations(
         _cel("type(self.efa) == int ? self.efa >= 0 : self.efa in ['auto', 'off']",
              message_expression=_fmt("must be 'auto', 'off' or a non-negative count of EFA devices per pod; got %s",
                                      "type(self.efa) == int ? string(self.efa) : \"'\" + string(self.efa) + \"'\""),
@@ -226,7 +233,7 @@ class AcceleratorSpec(Model):
                                      "string(self.efa)", f"{_EFA_PER_NODE}[self.profile]",
                                      f"{_INSTANCE_TYPE}[self.profile]", "self.profile"),
              field_path=".efa"),
-    ]})
+    ))
     profile: Literal[tuple(PROFILES)]  # type: ignore[valid-type]
     """Accelerator profile: nvidia-h200 (p5en.48xlarge), nvidia-h100 (p5.48xlarge), trainium2 (trn2.48xlarge)
     or trainium1 (trn1.32xlarge)."""
@@ -253,9 +260,9 @@ class Toleration(Model):
 class ResourceOverrides(Model):
     """Resource requests and limits merged over what the profile computes (per key)."""
 
-    requests: dict[str, Union[int, str]] = Field(default_factory=dict)
+    requests: dict[str, int | str] = Field(default_factory=dict)
     """Requests, for example cpu: 32, memory: 256Gi."""
-    limits: dict[str, Union[int, str]] = Field(default_factory=dict)
+    limits: dict[str, int | str] = Field(default_factory=dict)
     """Limits, for example memory: 512Gi."""
 
 
@@ -349,7 +356,7 @@ def _ranks_rule(role: str) -> dict[str, str]:
 class DisaggregatedInferenceSpec(Model):
     """A model served with disaggregated prefill and decode engines."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+    model_config = ConfigDict(json_schema_extra=_validations(
         _ranks_rule("prefill"),
         _ranks_rule("decode"),
         _cel("self.prefill.tensorParallelSize <= self.decode.tensorParallelSize",
@@ -371,7 +378,7 @@ class DisaggregatedInferenceSpec(Model):
              "(type(self.accelerator.efa) == int ? self.accelerator.efa > 0 : self.accelerator.efa != 'off')",
              "LIBFABRIC needs EFA, but spec.accelerator.efa turns it off; set efa to auto or a count, or use "
              "backend UCX", field_path=".kvTransfer.backend"),
-    ]})
+    ))
     model: ModelSpec
     """The model to serve."""
     accelerator: AcceleratorSpec
@@ -393,7 +400,7 @@ class DisaggregatedInferenceSpec(Model):
 
     # -- derived values: one place decides each default ---------------------------------------------------
     @property
-    def profile(self):
+    def profile(self) -> Profile:
         return PROFILES[self.accelerator.profile]
 
     @property

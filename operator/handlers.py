@@ -29,20 +29,22 @@ import datetime as dt
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Protocol, TypedDict, cast
 
 import kopf
 from pydantic import ValidationError
 
 from . import api, metrics, names
-from .reconciler import ApplyFailed, Reconciler
+from .reconciler import ApplyFailed, Key, Reconciler
 from .status import (
     FAILED_CREATE,
     SUCCESSFUL_CREATE,
     CreateFailure,
     Observed,
     PodCreateEvent,
+    PodProblem,
     TransportReport,
     WorkloadState,
     create_failure,
@@ -66,46 +68,83 @@ RESYNC_SECONDS = float(os.environ.get("DISAGG_RESYNC_SECONDS", "300"))
 
 
 # -- indexes: kopf keeps these current from its watches, so status needs no list calls ----------------------
+# Every kind indexed and watched here is namespaced. kopf types `namespace` as str | None for any resource; an
+# object without one (never seen: it would be cluster-scoped) is left out of the indexes and ignored by handlers.
+# Event handlers take `type: str | None`: kopf passes None for objects from a listing (its RawEventType), though
+# its WatchingFn protocol says str (a wider parameter type still satisfies the protocol).
+WorkloadKey = tuple[str, str, str]  # (namespace, CR name, component) of a StatefulSet or Deployment
+
+
 @dataclass(frozen=True)
 class IndexedCR:
     """A DisaggregatedInference as the watch last saw it: parsed once per change, so every pass and loop reads
     the typed spec. `cr` is None exactly when the stored object does not parse (`error` says why)."""
 
-    body: dict[str, Any]  # what Events are posted against
+    body: kopf.Body  # a snapshot; what Events are posted against
     cr: api.DisaggregatedInference | None
     error: str | None = None
 
     @property
     def deleting(self) -> bool:
-        return bool(self.body["metadata"].get("deletionTimestamp"))
+        return bool(self.body.metadata.get("deletionTimestamp"))
 
 
-def parse_cr(body: dict[str, Any]) -> IndexedCR:
+def parse_cr(raw: kopf.RawBody) -> IndexedCR:
     try:
-        return IndexedCR(body, api.DisaggregatedInference.model_validate(body))
+        return IndexedCR(kopf.Body(raw), api.DisaggregatedInference.model_validate(raw))
     except ValidationError as e:
-        return IndexedCR(body, None, _first_error(e))
+        return IndexedCR(kopf.Body(raw), None, _first_error(e))
+
+
+DinfIndex = kopf.Index[Key, IndexedCR]
+WorkloadIndex = kopf.Index[WorkloadKey, WorkloadState]
+PodProblemIndex = kopf.Index[Key, tuple[PodProblem, ...]]  # (namespace, CR name): one tuple per pod with problems
+StsEventIndex = kopf.Index[Key, PodCreateEvent]  # (namespace, StatefulSet name)
+
+
+class Indexes(TypedDict):
+    """kopf's indexes, as it passes them to handlers (keyword arguments named after the indexing functions)."""
+
+    dinf_index: DinfIndex
+    sts_index: WorkloadIndex
+    deploy_index: WorkloadIndex
+    pod_problem_index: PodProblemIndex
+    sts_event_index: StsEventIndex
 
 
 @kopf.index(*CR)
-def dinf_index(namespace: str, name: str, body: kopf.Body, **_: Any) -> dict:
-    return {(namespace, name): parse_cr({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                                         "metadata": dict(body.metadata), "spec": dict(body.spec),
-                                         "status": dict(body.get("status") or {})})}
+def dinf_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Key, IndexedCR] | None:
+    if namespace is None:
+        return None
+    # A shallow copy of the watched object, which kopf replaces in place; the cast: RawBody is kopf's type for
+    # an object as the apiserver sends it (its RawMeta names only the metadata fields kopf reads).
+    raw = cast(kopf.RawBody, {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                              "metadata": dict(body.metadata), "spec": dict(body.spec),
+                              "status": dict(body.get("status") or {})})
+    return {(namespace, name): parse_cr(raw)}
 
 
 @kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
-def sts_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
+def sts_index(namespace: str | None, labels: kopf.Labels, body: kopf.Body,
+              **_: Any) -> dict[WorkloadKey, WorkloadState] | None:
+    if namespace is None:
+        return None
     return {(namespace, labels.get(INSTANCE, ""), labels.get(COMPONENT, "")): workload_state(dict(body))}
 
 
 @kopf.index("apps", "v1", "deployments", labels=MANAGED)
-def deploy_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict:
+def deploy_index(namespace: str | None, labels: kopf.Labels, body: kopf.Body,
+                 **_: Any) -> dict[WorkloadKey, WorkloadState] | None:
+    if namespace is None:
+        return None
     return {(namespace, labels.get(INSTANCE, ""), labels.get(COMPONENT, "")): workload_state(dict(body))}
 
 
 @kopf.index("", "v1", "pods", labels=MANAGED)
-def pod_problem_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> dict | None:
+def pod_problem_index(namespace: str | None, labels: kopf.Labels, body: kopf.Body,
+                      **_: Any) -> dict[Key, tuple[PodProblem, ...]] | None:
+    if namespace is None:
+        return None
     problems = pod_problems(dict(body))
     return {(namespace, labels.get(INSTANCE, "")): tuple(problems)} if problems else None
 
@@ -113,7 +152,7 @@ def pod_problem_index(namespace: str, labels: kopf.Labels, body: kopf.Body, **_:
 STATEFULSET_EVENTS = "involvedObject.kind=StatefulSet"  # the server-side field selector on Events (run.py)
 
 
-def _event_time(body: Any) -> float:
+def _event_time(body: Mapping[str, Any]) -> float:
     """When an Event last happened: its series' last observation, else lastTimestamp, else eventTime, else its
     creation."""
     stamp = ((body.get("series") or {}).get("lastObservedTime") or body.get("lastTimestamp") or body.get("eventTime")
@@ -124,26 +163,26 @@ def _event_time(body: Any) -> float:
 
 
 @kopf.index("", "v1", "events", field="involvedObject.kind", value="StatefulSet")
-def sts_event_index(namespace: str, body: kopf.Body, **_: Any) -> dict | None:
+def sts_event_index(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Key, PodCreateEvent] | None:
     """The StatefulSet controller's pod-creation Events, by (namespace, StatefulSet name)."""
-    if body.get("reason") not in (FAILED_CREATE, SUCCESSFUL_CREATE):
+    if namespace is None or body.get("reason") not in (FAILED_CREATE, SUCCESSFUL_CREATE):
         return None
     involved = body.get("involvedObject") or {}
     return {(namespace, involved.get("name", "")): PodCreateEvent(
         str(involved.get("uid") or ""), str(body.get("reason")), str(body.get("message") or ""), _event_time(body))}
 
 
-def _one(index: kopf.Index, key: tuple) -> WorkloadState:
+def _one(index: WorkloadIndex, key: WorkloadKey) -> WorkloadState:
     store = index.get(key)
     return next(iter(store), WorkloadState()) if store else WorkloadState()
 
 
-def observe(namespace: str, name: str, sts: kopf.Index, deploys: kopf.Index, pods: kopf.Index,
-            transport: TransportReport | None = None, sts_events: kopf.Index | None = None,
+def observe(namespace: str, name: str, sts: WorkloadIndex, deploys: WorkloadIndex, pods: PodProblemIndex,
+            transport: TransportReport | None = None, sts_events: StsEventIndex | None = None,
             apply_error: str | None = None) -> Observed:
     problems = tuple(p for group in (pods.get((namespace, name)) or ()) for p in group)
     roles = {role: _one(sts, (namespace, name, role)) for role in names.ENGINE_ROLES}
-    failures = []
+    failures: list[CreateFailure] = []
     for role, state in roles.items():
         store = sts_events.get((namespace, names.engine_name(name, role))) if sts_events is not None else None
         events = tuple(store or ())
@@ -155,8 +194,9 @@ def observe(namespace: str, name: str, sts: kopf.Index, deploys: kopf.Index, pod
 
 # -- the passes -----------------------------------------------------------------------------------------
 async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, trigger: str,
-                   dinf_index: kopf.Index, sts_index: kopf.Index, deploy_index: kopf.Index,
-                   pod_problem_index: kopf.Index, sts_event_index: kopf.Index, logger) -> None:
+                   dinf_index: DinfIndex, sts_index: WorkloadIndex, deploy_index: WorkloadIndex,
+                   pod_problem_index: PodProblemIndex, sts_event_index: StsEventIndex,
+                   logger: kopf.Logger) -> None:
     reconciler: Reconciler = memo.reconciler
     transports: TransportPoller = memo.transports
     key = (namespace, name)
@@ -195,7 +235,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
                     post_event(memo, kopf.info, body, "Created", "created " + ", ".join(outcome.created))
                 if outcome.updated:
                     post_event(memo, kopf.info, body, "Updated", "updated " + ", ".join(outcome.updated))
-        report = None
+        report: TransportReport | None = None
         if cr.spec.uses_plugin:
             transports.request(key)  # in the background, when the cached answer is old or missing
             report = transports.report(key)
@@ -217,14 +257,20 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
     await reconciler.coalescer.run((namespace, name), full, one_pass)
 
 
-def post_event(memo: kopf.Memo, post: Callable[..., None], body: Any, reason: str, message: str) -> None:
+class PostFn(Protocol):
+    """kopf.info, kopf.warn: post an Event about an object."""
+
+    def __call__(self, objs: kopf.Body, *, reason: str, message: str = ...) -> None: ...
+
+
+def post_event(memo: kopf.Memo, post: PostFn, body: kopf.Body, reason: str, message: str) -> None:
     """kopf.info/warn from any task. kopf finds its event queue through context variables that only its handler
     tasks carry; the resync and transport-poll loops run outside them, so they post through the context of
     the latest handler call (saved by _indexes)."""
     try:
         post(body, reason=reason, message=message)
     except LookupError:
-        context = memo.shared.get("context")
+        context: contextvars.Context | None = memo.shared.get("context")
         if context is None:
             logging.getLogger("disagg.operator").warning("event %s not posted (no handler context yet): %s",
                                                          reason, message)
@@ -240,48 +286,59 @@ def _first_error(e: ValidationError) -> str:
 @kopf.on.resume(*CR)
 @kopf.on.create(*CR)
 @kopf.on.update(*CR, field="spec")
-async def dinf_changed(namespace: str, name: str, memo: kopf.Memo, logger, reason: str, **kw: Any) -> None:
+async def dinf_changed(namespace: str | None, name: str, memo: kopf.Memo, logger: kopf.Logger, reason: str,
+                       **kw: Any) -> None:
+    if namespace is None:
+        return
     await run_pass(memo, namespace, name, full=True, trigger=str(reason), logger=logger, **_indexes(memo, kw))
 
 
-def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> dict[str, Any]:
+def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> Indexes:
     # Index objects are live views; the resync loop keeps a reference to reach them between events. kopf
     # hands each object a shallow copy of the memo, so the reference goes into a dict they all share.
-    indexes = {k: kw[k] for k in ("dinf_index", "sts_index", "deploy_index", "pod_problem_index",
-                                  "sts_event_index")}
+    indexes = Indexes(dinf_index=kw["dinf_index"], sts_index=kw["sts_index"], deploy_index=kw["deploy_index"],
+                      pod_problem_index=kw["pod_problem_index"], sts_event_index=kw["sts_event_index"])
     memo.shared["indexes"] = indexes
     memo.shared["context"] = contextvars.copy_context()  # for post_event outside handlers
     return indexes
 
 
-def _needs_binding(index: kopf.Index) -> set[tuple[str, str]]:
+def _saved_indexes(memo: kopf.Memo) -> Indexes | None:
+    """The indexes the latest handler call saved (_indexes), for the loops that run outside handlers."""
+    indexes: Indexes | None = memo.shared.get("indexes")
+    return indexes
+
+
+def _needs_binding(index: DinfIndex) -> set[Key]:
     """CRs the watch index knows with auth kubernetes (the default). One that does not parse keeps its binding:
     nothing proves it does not need one."""
     return {key for key, store in index.items() for entry in store
             if entry.cr is None or entry.cr.spec.rendezvous.auth == "kubernetes"}
 
 
-async def collect_bindings(memo: kopf.Memo, logger, only: tuple[str, str] | None = None) -> None:
+async def collect_bindings(memo: kopf.Memo, logger: kopf.Logger, only: Key | None = None) -> None:
     """Remove rendezvous ClusterRoleBindings whose CR is gone; a failure waits for the next round."""
-    indexes = memo.shared.get("indexes")
+    indexes = _saved_indexes(memo)
     needed = _needs_binding(indexes["dinf_index"]) if indexes and only is None else set()
+    reconciler: Reconciler = memo.reconciler
     try:
-        await memo.reconciler.collect_bindings(only=only, needed=needed)
+        await reconciler.collect_bindings(only=only, needed=needed)
     except Exception as e:  # never ends the resync loop; the next round retries
         logger.warning(f"removing rendezvous ClusterRoleBindings of deleted CRs failed: {e}")
 
 
 @kopf.on.event(*CR, id="dinf-deleted")
-async def dinf_deleted(type: str | None, namespace: str, name: str, memo: kopf.Memo, logger, **_: Any) -> None:
-    if type == "DELETED":
+async def dinf_deleted(type: str | None, namespace: str | None, name: str, memo: kopf.Memo, logger: kopf.Logger,
+                       **_: Any) -> None:
+    if type == "DELETED" and namespace is not None:
         await collect_bindings(memo, logger, only=(namespace, name))
 
 
-async def resync_forever(memo: kopf.Memo, logger) -> None:
+async def resync_forever(memo: kopf.Memo, logger: kopf.Logger) -> None:
     while True:
         await asyncio.sleep(RESYNC_SECONDS)
         await collect_bindings(memo, logger)
-        indexes = memo.shared.get("indexes")
+        indexes = _saved_indexes(memo)
         if not indexes:
             metrics.RESYNC_ROUNDS.inc()
             continue
@@ -297,9 +354,9 @@ async def resync_forever(memo: kopf.Memo, logger) -> None:
         metrics.RESYNC_ROUNDS.inc()
 
 
-async def transport_changed(memo: kopf.Memo, key: tuple[str, str], logger) -> None:
+async def transport_changed(memo: kopf.Memo, key: Key, logger: kopf.Logger) -> None:
     """A deployment's rendezvous answered differently than before: refresh its status."""
-    indexes = memo.shared.get("indexes")
+    indexes = _saved_indexes(memo)
     if not indexes or key not in indexes["dinf_index"]:
         return
     try:
@@ -317,7 +374,7 @@ async def poll_transports_forever(memo: kopf.Memo, interval: float) -> None:
     transports: TransportPoller = memo.transports
     while True:
         await asyncio.sleep(interval)
-        indexes = memo.shared.get("indexes")
+        indexes = _saved_indexes(memo)
         if not indexes:
             continue
         for key in transports.keys() - set(indexes["dinf_index"].keys()):
@@ -331,10 +388,10 @@ async def poll_transports_forever(memo: kopf.Memo, interval: float) -> None:
 
 def _register_child(kind: str, group: str, version: str, plural: str) -> None:
     @kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}")
-    async def child_event(type: str | None, body: kopf.Body, namespace: str, labels: kopf.Labels,
-                          memo: kopf.Memo, logger, **kw: Any) -> None:
+    async def child_event(type: str | None, body: kopf.Body, namespace: str | None, labels: kopf.Labels,
+                          memo: kopf.Memo, logger: kopf.Logger, **kw: Any) -> None:
         owner = labels.get(INSTANCE)
-        if not owner or (namespace, owner) not in kw["dinf_index"]:
+        if namespace is None or not owner or (namespace, owner) not in kw["dinf_index"]:
             return
         reconciler: Reconciler = memo.reconciler
         if type == "DELETED" and not await reconciler.exists(namespace, owner):
@@ -351,11 +408,11 @@ for _kind, (_g, _v, _p) in CHILD_KINDS.items():
 
 
 @kopf.on.event("", "v1", "events", field="involvedObject.kind", value="StatefulSet", id="statefulset-events")
-async def statefulset_event(type: str | None, body: kopf.Body, namespace: str, memo: kopf.Memo, logger,
-                            **kw: Any) -> None:
+async def statefulset_event(type: str | None, body: kopf.Body, namespace: str | None, memo: kopf.Memo,
+                            logger: kopf.Logger, **kw: Any) -> None:
     """A failed pod creation changes Degraded. (A successful one also creates a pod, whose own event refreshes
     status.)"""
-    if type == "DELETED" or body.get("reason") != FAILED_CREATE:
+    if namespace is None or type == "DELETED" or body.get("reason") != FAILED_CREATE:
         return
     owner = names.engine_owner((body.get("involvedObject") or {}).get("name", ""))
     if owner is not None and (namespace, owner[0]) in kw["dinf_index"]:
@@ -364,8 +421,11 @@ async def statefulset_event(type: str | None, body: kopf.Body, namespace: str, m
 
 
 @kopf.on.event("", "v1", "pods", labels=MANAGED)
-async def engine_pod_event(namespace: str, labels: kopf.Labels, memo: kopf.Memo, logger, **kw: Any) -> None:
+async def engine_pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, logger: kopf.Logger,
+                           **kw: Any) -> None:
     owner = labels.get(INSTANCE)
-    if owner and labels.get(COMPONENT) in ("prefill", "decode") and (namespace, owner) in kw["dinf_index"]:
+    if namespace is None or not owner or labels.get(COMPONENT) not in ("prefill", "decode"):
+        return
+    if (namespace, owner) in kw["dinf_index"]:
         await run_pass(memo, namespace, owner, full=False, trigger="pod-event", logger=logger,
                        **_indexes(memo, kw))

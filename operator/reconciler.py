@@ -13,11 +13,13 @@ import datetime as dt
 import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 from lightkube import AsyncClient, codecs
 from lightkube.core.exceptions import ApiError
+from lightkube.core.resource import GlobalResource
 from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 
@@ -43,7 +45,7 @@ class ApplyOutcome:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
 class Coalescer:
@@ -129,7 +131,7 @@ class Reconciler:
                             f"ServiceAccount and bind it to {names.AUTH_DELEGATOR}: the chart's rbac.tokenReview; "
                             "or set spec.rendezvous.auth: token)")
                 raise ApplyFailed(f"applying {kind} {f'{ns}/' if ns else ''}{name}: {e.status.message}{hint}",
-                                  e.status.code) from e
+                                  status_code(e)) from e
             finally:
                 metrics.API_SECONDS.labels(verb="apply").observe(time.monotonic() - t0)
             after = child_marker(after_obj)
@@ -157,7 +159,7 @@ class Reconciler:
         except ApiError as e:
             if e.status.code != 409:
                 metrics.API_ERRORS.labels(kind="Secret", verb="create").inc()
-                raise ApplyFailed(f"creating Secret {meta['name']}: {e.status.message}", e.status.code) from e
+                raise ApplyFailed(f"creating Secret {meta['name']}: {e.status.message}", status_code(e)) from e
             self._token_secrets.add(uid)
             return False
         self._token_secrets.add(uid)
@@ -185,8 +187,12 @@ class Reconciler:
         # lists wholesale: it puts our lists back, then the apply takes ownership again.
         self.log.info("apply of %s %s was invalid; repairing hand-edited lists with a merge patch",
                       obj["kind"], obj["metadata"]["name"])
-        await self.client.patch(type(resource), obj["metadata"]["name"], obj, namespace=obj["metadata"].get("namespace"),
-                                patch_type=PatchType.MERGE, field_manager=FIELD_MANAGER)
+        name = obj["metadata"]["name"]
+        if isinstance(resource, GlobalResource):  # a ClusterRoleBinding: no namespace
+            await self.client.patch(type(resource), name, obj, patch_type=PatchType.MERGE, field_manager=FIELD_MANAGER)
+        else:
+            await self.client.patch(type(resource), name, obj, namespace=obj["metadata"].get("namespace"),
+                                    patch_type=PatchType.MERGE, field_manager=FIELD_MANAGER)
         return await self._server_side_apply(resource)
 
     async def _server_side_apply(self, resource: Any) -> tuple[dict[str, Any], bool]:
@@ -197,7 +203,8 @@ class Reconciler:
             "patch", res=type(resource), obj=resource, name=resource.metadata.name,
             namespace=getattr(resource.metadata, "namespace", None),
             headers={"Content-Type": PatchType.APPLY.value}, params={"force": "true", "fieldManager": FIELD_MANAGER})
-        response = await generic.send(generic.build_adapter_request(request))
+        # What generic.send does (it is unannotated), on the httpx client it wraps.
+        response = await generic._client.send(generic.build_adapter_request(request))
         result = generic.handle_response("patch", response, request)
         return (result.to_dict() if hasattr(result, "to_dict") else dict(result)), response.status_code == 201
 
@@ -209,7 +216,8 @@ class Reconciler:
             if e.status.code == 404:
                 return False
             raise
-        return obj.metadata.deletionTimestamp is None
+        # metadata is optional in lightkube's model; an object without it is not being deleted.
+        return obj.metadata is None or obj.metadata.deletionTimestamp is None
 
     def is_own_echo(self, kind: str, body: Mapping[str, Any]) -> bool:
         """Whether a watch event on a child shows exactly what our last apply of it produced."""
@@ -262,6 +270,12 @@ class Reconciler:
     def forget(self, key: Key) -> None:
         self._transport_status.pop(key, None)
         self._apply_errors.pop(key, None)
+
+
+def status_code(e: ApiError) -> int:
+    """The HTTP status of the apiserver's refusal. Status.code is optional in the API's schema (lightkube types it
+    int | None); when the Status body lacks it, the response's own status line still has it."""
+    return e.status.code if e.status.code is not None else e.response.status_code
 
 
 class ApplyFailed(RuntimeError):
