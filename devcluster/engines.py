@@ -20,7 +20,7 @@ from disagg.connector.wire import env as wire_env
 from disagg.connector.wire.kv_transfer import kv_transfer_config
 
 from .cluster import die_with_parent, free_port
-from .procs import disagg_exe
+from .procs import children, disagg_exe, process_group, stack_dump
 
 PUSH, PULL = "NixlPushConnector", "NixlConnector"
 SUPERVISOR = str(Path(__file__).resolve().parent / "supervise.py")
@@ -95,10 +95,9 @@ class LocalEngine:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.spec.port}"
 
-    def start(self) -> "LocalEngine":
+    def command(self) -> list[str]:
+        """The engine's own command line, which the supervisor runs."""
         s = self.spec
-        # A fresh engine id per start: a restarted engine must never reuse an id peers hold NIXL state for.
-        s.engine_id = f"{s.name}-{uuid.uuid4().hex[:12]}"
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
                 "--served-model-name", "tiny", "--dtype", "bfloat16", "--block-size", str(s.block_size),
                 "--enforce-eager", "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1",
@@ -107,6 +106,13 @@ class LocalEngine:
                 "--shutdown-timeout", "5"]
         if (cfg := s.kv_transfer_config()) is not None:
             argv += ["--kv-transfer-config", json.dumps(cfg)]
+        return argv
+
+    def start(self) -> "LocalEngine":
+        s = self.spec
+        # A fresh engine id per start: a restarted engine must never reuse an id peers hold NIXL state for.
+        s.engine_id = f"{s.name}-{uuid.uuid4().hex[:12]}"
+        argv = self.command()
         env = {
             **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
             "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
@@ -141,7 +147,20 @@ class LocalEngine:
                     return self
             except OSError:
                 time.sleep(0.5)  # polling a child's HTTP port: there is nothing to await
-        raise EngineFailed(f"engine {self.spec.name} not healthy after {timeout}s; log: {self.log}\n{self.tail()}")
+        raise EngineFailed(f"engine {self.spec.name} not healthy after {timeout:g}s; log: {self.log}\n{self.tail()}\n"
+                           f"Python stacks of its processes (py-spy dump):\n{self.stacks()}")
+
+    def processes(self) -> list[int]:
+        """The engine's processes: the API server the supervisor started (leader of its own process group), and
+        every process in that group (engine core, workers), leader first. Empty once it is gone."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return [pid for leader in children(self.proc.pid) for pid in process_group(leader)]
+
+    def stacks(self) -> str:
+        """Every thread's Python stack in each of the engine's processes: what a hung start-up was doing."""
+        pids = self.processes()
+        return stack_dump(pids) if pids else "(no engine processes left)"
 
     def stop(self, grace: float = 20) -> None:
         if self.proc is None or self.proc.poll() is not None:

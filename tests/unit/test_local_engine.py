@@ -1,0 +1,77 @@
+"""LocalEngine with a real process tree: a missed start-up deadline explains itself, and stopping is prompt.
+
+The hanging engine is a real process tree, not vLLM: `HangingEngine` runs a Python program in place of vLLM's
+API server that forks a child (as vLLM forks its engine core) and never opens its port. Everything else is
+LocalEngine's own code: the supervisor, the readiness poll, the deadline and the stack dump.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from disagg.devcluster.engines import EngineFailed, EngineSpec, LocalEngine
+from disagg.devcluster.procs import py_spy
+
+HANG = """
+import os, time
+
+def engine_core_never_ready():
+    while True:
+        time.sleep(0.05)
+
+def api_server_waits_for_engine_core(child):
+    os.waitpid(child, 0)
+
+child = os.fork()
+if child == 0:
+    engine_core_never_ready()
+else:
+    api_server_waits_for_engine_core(child)
+"""
+
+
+class HangingEngine(LocalEngine):
+    """A fake engine: a two-process tree that never serves (named as the fake it is)."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", HANG]
+
+
+@pytest.fixture
+def engine(tmp_path):
+    e = HangingEngine(EngineSpec("hangs", None, Path("/nonexistent-model"), core=0), Path(sys.executable), tmp_path)
+    yield e
+    e.stop()
+
+
+def test_py_spy_comes_with_the_test_extra():
+    assert py_spy() is not None
+
+
+def test_missed_deadline_reports_every_process_stack(engine):
+    engine.start()
+    t0 = time.monotonic()
+    with pytest.raises(EngineFailed) as failed:
+        engine.wait_ready(timeout=2)
+    assert time.monotonic() - t0 < 2 + 30, "the dump must not take much longer than the deadline it explains"
+    head, _, stacks = str(failed.value).partition("Python stacks of its processes (py-spy dump):")
+    assert "engine hangs not healthy after 2s" in head and f"log: {engine.log}" in head
+    pids = engine.processes()
+    assert len(pids) == 2, "the API-server stand-in and its forked child"
+    # One section per process, leader first, each with that process's Python stack.
+    assert [int(p) for p in re.findall(r"^--- pid (\d+):", stacks, re.M)] == pids
+    leader, child = stacks.split(f"--- pid {pids[1]}:")
+    frame = "{} (<string>:"  # py-spy's frame line: function (file:line)
+    assert frame.format("api_server_waits_for_engine_core") in leader
+    assert frame.format("engine_core_never_ready") not in leader
+    assert frame.format("engine_core_never_ready") in child
+
+
+def test_an_engine_that_is_gone_has_no_stacks(engine):
+    engine.start()
+    engine.stop()
+    assert engine.processes() == [] and engine.stacks() == "(no engine processes left)"
