@@ -13,6 +13,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+
+
+GRACE_SECONDS = 15
+"""How long the command's process group has to exit after SIGTERM before it is killed."""
 
 
 def main(argv: list[str]) -> int:
@@ -20,22 +25,38 @@ def main(argv: list[str]) -> int:
         argv = argv[1:]
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     child = subprocess.Popen(argv, start_new_session=True)
+    stopping: list[int] = []
 
-    def stop(signum, _frame):
+    def kill_group() -> None:
         try:
-            os.killpg(child.pid, signal.SIGTERM)
-            child.wait(15)
-        except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        sys.exit(128 + signum)
+
+    def stop(signum, _frame):
+        # Only signal here, never wait: the handler runs inside the main thread's child.wait(), which holds the
+        # Popen's wait lock, so a wait in here could not reap the child and always ran into its full timeout
+        # (every engine stop took 15 s). The main thread's wait returns as soon as the command exits.
+        if stopping:
+            return
+        stopping.append(signum)
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        timer = threading.Timer(GRACE_SECONDS, kill_group)
+        timer.daemon = True
+        timer.start()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     if os.getppid() == 1:  # the parent died before the death signal was armed
         stop(signal.SIGTERM, None)
-    return child.wait()
+    code = child.wait()
+    if not stopping:
+        return code
+    kill_group()  # whatever of the group outlived its leader's orderly exit
+    return 128 + stopping[0]
 
 
 if __name__ == "__main__":

@@ -75,3 +75,18 @@ def test_an_engine_that_is_gone_has_no_stacks(engine):
     engine.start()
     engine.stop()
     assert engine.processes() == [] and engine.stacks() == "(no engine processes left)"
+
+
+def test_stopping_takes_as_long_as_the_processes_take_to_exit(engine):
+    """The supervisor used to wait inside its SIGTERM handler, where it could never reap the child, so every stop
+    took the full 15 s grace even when the engine had exited at once."""
+    engine.start()
+    deadline = time.monotonic() + 10
+    while len(pids := engine.processes()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)  # the supervisor's children appear in /proc: nothing to await but polling
+    assert len(pids) == 2
+    t0 = time.monotonic()
+    engine.stop()
+    assert time.monotonic() - t0 < 5
+    assert engine.proc.returncode == 128 + 15  # the supervisor exits as if killed by the SIGTERM it got
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "the whole process group is gone"
