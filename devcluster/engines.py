@@ -43,13 +43,16 @@ class EngineSpec:
     plugin_dir: Path | None = None
     """A directory made by `disagg install-plugin`: the engine loads the disagg connector plugin from it (as an
     engine pod does from its init container's volume). None: vLLM's connector alone."""
+    push_registration_timeout: float | None = None
+    """Seconds a push decode waits for its prefill's KV (`spec.kvTransfer.registrationTimeoutSeconds`); None:
+    vLLM's default (480 s)."""
 
     def kv_transfer_config(self) -> dict | None:
         if self.role is None:
             return None
         return kv_transfer_config(connector=PUSH if self.mode == "push" else PULL, role=self.role,
                                   engine_id=self.engine_id, backend="UCX", use_plugin=self.plugin_dir is not None,
-                                  buffer_device="cpu")
+                                  buffer_device="cpu", push_registration_timeout=self.push_registration_timeout)
 
 
 def install_plugin(target: Path) -> Path:

@@ -9,7 +9,9 @@ like one without it. Everything the plugin adds is beside the transfer path, nev
   engine to the rendezvous (`advertiser`), including every rank's NIXL handshake payload, and renew
   the lease until shutdown;
 - worker side (each worker process): watch the rendezvous and load compatible peers' NIXL agents before any
-  request needs them (`prewarm`), and drop them when the peer's entry goes away.
+  request needs them (`prewarm`), and drop them when the peer's entry goes away;
+- push decode: a request whose prefill's KV does not come within `push_registration_timeout` is failed (vLLM's
+  watchdog only drops its registration), so the client gets an error instead of waiting indefinitely.
 
 A rendezvous that is missing, slow or down never blocks or fails the engine: both sides run in their own
 threads, and vLLM's lazy side-channel handshake stays the fallback. Every access to vLLM's internals goes
@@ -106,8 +108,30 @@ class _DisaggMixin:
         if self._prewarmer is not None:
             self._prewarmer.release_departed()  # the engine's main thread: where vLLM itself releases peers
         super().start_load_kv(forward_context, **kwargs)  # type: ignore[misc]
+        if self._worker_shim is not None:
+            for request_id in vllm_shim.failed_receives(vllm_shim.connector_metadata(self)):
+                if self._worker_shim.fail_receive(request_id):
+                    log.warning("disagg plugin: request %s: no KV from its prefill engine within the registration "
+                                "timeout; failing it", request_id)
 
     # -- scheduler side ------------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """vLLM's metadata for this step, plus the decode requests whose push registration vLLM's watchdog just
+        dropped (`push_registration_timeout` passed without their KV). vLLM only drops the registration and the
+        request would wait on; the workers fail its receive instead, so the scheduler finishes it with an error
+        (vLLM's default `kv_load_failure_policy: fail`) and the client gets an answer."""
+        shim = self._scheduler_shim
+        if shim is None or not shim.push:
+            return super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+        watched = shim.watched_registrations()
+        meta = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+        # Within this call only vLLM's watchdog removes deadlines, so the difference is exactly its expiries.
+        if expired := watched - shim.watched_registrations():
+            log.warning("disagg plugin: push registration of request(s) %s timed out after %.1f s; failing them",
+                        sorted(expired), shim.registration_timeout())
+            vllm_shim.mark_failed_receives(meta, expired)
+        return meta
+
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         transports = {m.transport for m in metadata.values() if isinstance(m, _PayloadWithTransport)}
         aside = {rank: m.stepped_aside if isinstance(m, _PayloadWithTransport) else "no plugin payload"

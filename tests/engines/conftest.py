@@ -116,6 +116,15 @@ class Pair:
         self.routers.append(router)
         return router.start(ready_path="/health")
 
+    def replace_decode(self, **spec: object) -> TestEngine:
+        """Stop the decode engine and start another on its core, its spec changed by `spec` (name, mode, ...)."""
+        old = self.decode
+        old.stop()
+        fields = {**vars(old.spec), "port": 0, "side_channel_port": 0, "engine_id": "", **spec}
+        self.decode = TestEngine(EngineSpec(**fields), old.python, self.logs)
+        self.decode.start().wait_ready()
+        return self.decode
+
     def stop(self) -> None:
         for router in self.routers:
             router.stop()

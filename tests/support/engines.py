@@ -178,13 +178,16 @@ def push_decode_leg(prefill, decode, body: dict, request_id: str, timeout: float
                 request_id=request_id, timeout=timeout)
 
 
-def push_by_hand(prefill, decode, body: dict) -> tuple[int, dict | str]:
-    """Both legs of a push request sent straight to the engines (no router, no rendezvous), as the router does."""
+def push_by_hand(prefill, decode, body: dict, sequential: bool = False) -> tuple[int, dict | str]:
+    """Both legs of a push request sent straight to the engines (no router, no rendezvous), as the router does:
+    at once, or (`sequential`) the decode leg once the prefill leg has answered."""
     rid = uuid.uuid4().hex
     prefill_result: list = []
     leg = threading.Thread(target=lambda: prefill_result.append(
         post(prefill.url + "/v1/completions", pd_protocol.prefill_body("completions", body), request_id=rid)))
     leg.start()
+    if sequential:
+        leg.join(60)
     out = push_decode_leg(prefill, decode, body, rid)
     leg.join(60)
     assert prefill_result and prefill_result[0][0] == 200, prefill_result
