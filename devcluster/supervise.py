@@ -1,8 +1,9 @@
 """Run a command so that its whole process tree dies with our parent.
 
 PR_SET_PDEATHSIG reaches only a direct child; vLLM's API server forks an engine core and workers that
-would outlive a killed test run. This supervisor is that direct child: when its parent dies it gets SIGTERM
-and takes the command's whole process group down with it.
+would outlive a killed test run. This supervisor is that direct child: when its parent dies (or it gets
+SIGTERM) it sends SIGTERM to the command, and once the command has exited, or after GRACE_SECONDS, kills
+whatever is left of the command's process group.
 
 Usage: python -m disagg.devcluster.supervise -- CMD [ARGS...]   (or run this file directly)
 """
@@ -40,8 +41,11 @@ def main(argv: list[str]) -> int:
         if stopping:
             return
         stopping.append(signum)
+        # SIGTERM to the command alone, which stops its own children in order (vLLM's API server stops the engine
+        # core, which stops its workers). Signalling the whole group killed the workers under a running engine
+        # core, which then logged a fatal "RuntimeError: cancelled" on every stop.
         try:
-            os.killpg(child.pid, signal.SIGTERM)
+            os.kill(child.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
         timer = threading.Timer(GRACE_SECONDS, kill_group)
