@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
+import types
 
 import pytest
 
@@ -167,3 +169,23 @@ def test_expired_registrations_travel_in_the_step_metadata():
     assert vllm_shim.failed_receives(meta) == frozenset()
     vllm_shim.mark_failed_receives(meta, {"a", "b"})
     assert vllm_shim.failed_receives(meta) == {"a", "b"}
+
+
+def fake_vllm(version: str) -> types.ModuleType:
+    """FAKE: a `vllm` module that has only a version (vLLM is not installed here)."""
+    module = types.ModuleType("vllm")
+    module.__version__ = version
+    return module
+
+
+def test_another_vllm_version_makes_the_plugin_step_aside_before_touching_anything(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="disagg.plugin")
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm("0.33.1"))
+    assert "vLLM 0.33.1 is not the 0.32.x" in vllm_shim.check_vllm()
+    assert WorkerShim.attach(CompleteWorker()) is None
+    assert len(stepping_aside(caplog)) == 1
+
+
+def test_the_supported_vllm_version_keeps_the_plugin(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm("0.32.0"))
+    assert vllm_shim.check_vllm() is None and vllm_shim.stepped_aside() is None
