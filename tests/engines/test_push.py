@@ -46,6 +46,8 @@ class TestPush:
         assert metric(url, "disagg_router_handoff_seconds_count", mode="push") == 1
         for engine in (p, d):
             assert log_lines(engine, LAZY_HANDSHAKE) == [] and log_lines(engine, "NIXL compatibility check") == []
+            # The real vLLM worker and scheduler have every attribute the plugin's vllm_shim checks for.
+            assert log_lines(engine, "stepping aside") == []
 
     def test_prefill_warmed_the_write_path_through_null_blocks_only(self, push_pair):
         """Right after loading a decode, prefill WRITEs its null block into decode's, so the pair's first real
