@@ -7,13 +7,14 @@ LocalEngine's own code: the supervisor, the readiness poll, the deadline and the
 from __future__ import annotations
 
 import re
+import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from disagg.devcluster.engines import EngineFailed, EngineSpec, LocalEngine
+from disagg.devcluster.engines import EngineFailed, EngineSpec, LocalEngine, listen_port
 from disagg.devcluster.procs import py_spy
 
 HANG = """
@@ -99,3 +100,12 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_engine_ports_lie_below_the_ephemeral_range_and_are_free():
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = listen_port()
+        assert 1024 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # still free: nothing else holds it
