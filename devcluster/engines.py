@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -171,7 +172,21 @@ class LocalEngine:
             except OSError:
                 time.sleep(0.5)  # polling a child's HTTP port: there is nothing to await
         raise EngineFailed(f"engine {self.spec.name} not healthy after {timeout:g}s; log: {self.log}\n{self.tail()}\n"
+                           f"Errors in its log:\n{self.errors()}\n"
                            f"Python stacks of its processes (py-spy dump):\n{self.stacks()}")
+
+    def errors(self, n: int = 40) -> str:
+        """The current incarnation's log lines that report an error, a traceback or a dead thread, last `n`: the
+        tail alone may be all retries (a plugin whose rendezvous is down logs every 2 s)."""
+        if not self.log.exists():
+            return "(no log)"
+        text = self.log.read_text(errors="replace")
+        lines = text[text.rfind("\n=== start "):].splitlines()
+        hits = [i for i, line in enumerate(lines)
+                if re.search(r"Traceback|Exception in thread|Error\b|ERROR", line) and "ClientConnectorError" not in line]
+        # A traceback's last line names the exception: keep the line after each hit too.
+        keep = sorted({j for i in hits for j in (i, i + 1) if j < len(lines)})
+        return "\n".join(lines[j] for j in keep[-n:]) or "(none)"
 
     def processes(self) -> list[int]:
         """The engine's processes: the API server the supervisor started (leader of its own process group), and

@@ -18,7 +18,16 @@ from disagg.devcluster.engines import EngineFailed, EngineSpec, LocalEngine, lis
 from disagg.devcluster.procs import py_spy
 
 HANG = """
-import os, time
+import os, socket, sys, threading, time
+
+def side_channel_listener(port):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # already taken: the thread dies, as vLLM's listener did
+
+threading.Thread(target=side_channel_listener, args=(int(sys.argv[1]),), name="listener").start()
+time.sleep(0.5)
+for _ in range(50):
+    print("retrying the rendezvous in 2.00s", flush=True)
 
 def engine_core_never_ready():
     while True:
@@ -36,10 +45,13 @@ else:
 
 
 class HangingEngine(LocalEngine):
-    """A fake engine: a two-process tree that never serves (named as the fake it is)."""
+    """A fake engine: a two-process tree that never serves, whose listener thread dies on a port the test holds
+    (named as the fake it is)."""
 
     def command(self) -> list[str]:
-        return [sys.executable, "-c", HANG]
+        self.taken = socket.socket()  # held by the test for the engine's lifetime
+        self.taken.bind(("127.0.0.1", 0))
+        return [sys.executable, "-c", HANG, str(self.taken.getsockname()[1])]
 
 
 @pytest.fixture
@@ -61,6 +73,9 @@ def test_missed_deadline_reports_every_process_stack(engine):
     assert time.monotonic() - t0 < 2 + 30, "the dump must not take much longer than the deadline it explains"
     head, _, stacks = str(failed.value).partition("Python stacks of its processes (py-spy dump):")
     assert "engine hangs not healthy after 2s" in head and f"log: {engine.log}" in head
+    # The tail is all retries; the thread that died on its port is still named.
+    errors = head.partition("Errors in its log:")[2]
+    assert "Exception in thread listener" in errors and "Address already in use" in errors
     pids = engine.processes()
     assert len(pids) == 2, "the API-server stand-in and its forked child"
     # One section per process, leader first, each with that process's Python stack.
