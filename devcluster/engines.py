@@ -132,7 +132,7 @@ class LocalEngine:
             argv += ["--kv-transfer-config", json.dumps(cfg)]
         return argv
 
-    def start(self) -> "LocalEngine":
+    def start(self) -> LocalEngine:
         s = self.spec
         # A fresh engine id per start: a restarted engine must never reuse an id peers hold NIXL state for.
         s.engine_id = f"{s.name}-{uuid.uuid4().hex[:12]}"
@@ -160,7 +160,7 @@ class LocalEngine:
                                          preexec_fn=die_with_parent)
         return self
 
-    def wait_ready(self, timeout: float = 240) -> "LocalEngine":
+    def wait_ready(self, timeout: float = 240) -> LocalEngine:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
@@ -182,8 +182,8 @@ class LocalEngine:
             return "(no log)"
         text = self.log.read_text(errors="replace")
         lines = text[text.rfind("\n=== start "):].splitlines()
-        hits = [i for i, line in enumerate(lines)
-                if re.search(r"Traceback|Exception in thread|Error\b|ERROR", line) and "ClientConnectorError" not in line]
+        hits = [i for i, line in enumerate(lines) if "ClientConnectorError" not in line
+                and re.search(r"Traceback|Exception in thread|Error\b|ERROR", line)]
         # A traceback's last line names the exception: keep the line after each hit too.
         keep = sorted({j for i in hits for j in (i, i + 1) if j < len(lines)})
         return "\n".join(lines[j] for j in keep[-n:]) or "(none)"
@@ -210,7 +210,7 @@ class LocalEngine:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def restart(self) -> "LocalEngine":
+    def restart(self) -> LocalEngine:
         self.stop()
         return self.start()
 

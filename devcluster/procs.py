@@ -13,9 +13,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection
 
 from .cluster import Process, free_port
 
@@ -96,7 +96,7 @@ class HttpChild(Process):
         if self.popen is None or self.popen.poll() is not None:
             raise ChildFailed(f"{self.name} exited; log {self.log}\n{self.tail()}")
 
-    def wait_http(self, url: str, timeout: float = 60, ok: Collection[int] | None = (200,)) -> "HttpChild":
+    def wait_http(self, url: str, timeout: float = 60, ok: Collection[int] | None = (200,)) -> HttpChild:
         """Poll `url` until it answers a status in `ok` (None: any status at all)."""
         deadline = time.monotonic() + timeout
         last: int | str | None = None

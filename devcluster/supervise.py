@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
-
+from types import FrameType
 
 GRACE_SECONDS = 15
 """How long the command's process group has to exit after SIGTERM before it is killed."""
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         except ProcessLookupError:
             pass
 
-    def stop(signum, _frame):
+    def stop(signum: int, _frame: FrameType | None) -> None:
         # Only signal here, never wait: the handler runs inside the main thread's child.wait(), which holds the
         # Popen's wait lock, so a wait in here could not reap the child and always ran into its full timeout
         # (every engine stop took 15 s). The main thread's wait returns as soon as the command exits.

@@ -28,12 +28,12 @@ import threading
 import time
 from typing import Any
 
+from ..rendezvous.client import EngineCache, RendezvousClient
+from ..wire import kv_metadata
 from ..wire.advertisement import EngineAdvertisement, WatchEvent
 from .settings import PluginSettings
 from .vllm_shim import Agents, MissingRank, WorkerShim
 from .write_warmup import SkipWarmup, warm_write_path
-from ..rendezvous.client import EngineCache, RendezvousClient
-from ..wire import kv_metadata
 
 log = logging.getLogger("disagg.plugin")
 EMPTY_HEARTBEAT = b"HB:"

@@ -22,9 +22,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("disagg.plugin")
 
@@ -283,8 +284,7 @@ class WorkerShim:
         """vLLM's `_nixl_handshake` with the handshake payloads taken from an advertisement instead of GET_META:
         the same validation, then the same agent registration. Raises MissingRank when a needed rank lacks one."""
         import msgspec
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-            NixlAgentMetadata, NixlHandshakePayload)
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata, NixlHandshakePayload
         from vllm.platforms import current_platform
 
         w = self._w
@@ -381,7 +381,7 @@ class WorkerShim:
                 states = [nixl.check_xfer_state(h) for h in pending]
                 if "ERR" in states:
                     raise RuntimeError("the transport reported an error")
-                pending = [h for h, s in zip(pending, states) if s != "DONE"]
+                pending = [h for h, s in zip(pending, states, strict=True) if s != "DONE"]
                 if pending and time.monotonic() > deadline:
                     raise TimeoutError(f"not done within {timeout} s")
                 if pending:

@@ -28,9 +28,9 @@ class TestEngine(LocalEngine):
     """A LocalEngine that refuses to start on a core another running engine of this session holds."""
 
     __test__ = False
-    running: list["TestEngine"] = []
+    running: list[TestEngine] = []
 
-    def start(self) -> "TestEngine":
+    def start(self) -> TestEngine:
         TestEngine.running = [e for e in TestEngine.running if e.proc is not None and e.proc.poll() is None]
         busy = [e.spec.name for e in TestEngine.running if e.spec.core == self.spec.core and e is not self]
         assert not busy, f"core {self.spec.core} already runs engine(s) {busy}; cannot start {self.spec.name}"
@@ -102,7 +102,7 @@ class Pair:
         self.router: Service | None = None
         self.routers: list[Service] = []
 
-    def start(self) -> "Pair":
+    def start(self) -> Pair:
         for e in (self.prefill, self.decode):
             e.start()
         for e in (self.prefill, self.decode):

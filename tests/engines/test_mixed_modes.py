@@ -12,8 +12,17 @@ import uuid
 
 import pytest
 
-from support.engines import (PROMPTS, advertised, await_advertised, completion, log_lines, post, push_by_hand,
-                             push_decode_leg, text_of)
+from support.engines import (
+    PROMPTS,
+    advertised,
+    await_advertised,
+    completion,
+    log_lines,
+    post,
+    push_by_hand,
+    push_decode_leg,
+    text_of,
+)
 
 pytestmark = pytest.mark.engines
 REGISTRATION_S = 3.0

@@ -8,10 +8,25 @@ import time
 import msgspec
 import pytest
 
-from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.connector.wire import kv_metadata
-from support.engines import (LAZY_HANDSHAKE, PROMPTS, Load, advertised, await_advertised, await_log, await_status,
-                             check_outputs, completion, log_lines, metric, post, post_raw, push_by_hand, text_of)
+from disagg.connector.wire.advertisement import EngineAdvertisement
+from support.engines import (
+    LAZY_HANDSHAKE,
+    PROMPTS,
+    Load,
+    advertised,
+    await_advertised,
+    await_log,
+    await_status,
+    check_outputs,
+    completion,
+    log_lines,
+    metric,
+    post,
+    post_raw,
+    push_by_hand,
+    text_of,
+)
 
 pytestmark = pytest.mark.engines
 

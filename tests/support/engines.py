@@ -13,7 +13,6 @@ from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.devcluster.procs import DisaggService
 from support.metrics import scrape
 
-
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 8, "Disaggregated serving splits prefill and decode. " * 20]
 MAX_TOKENS = 12
 LAZY_HANDSHAKE = "side-channel handshake with engine"
@@ -32,7 +31,7 @@ def chat(prompt: str) -> dict:
 class Service(DisaggService):
     """`disagg rendezvous` or `disagg router` as a child process; start() returns once it serves."""
 
-    def start(self, ready_path: str = "/health", timeout: float = 30, ok=None) -> "Service":
+    def start(self, ready_path: str = "/health", timeout: float = 30, ok=None) -> Service:
         # Any status by default: a router answers /health (503) before it has a pair to route to.
         super().start()
         return self.wait_http(self.url + ready_path, timeout, ok)

@@ -16,8 +16,15 @@ import types
 import pytest
 
 from disagg.connector.plugin import vllm_shim
-from disagg.connector.plugin.vllm_shim import (NixlPushScheduler, NixlWorker, SchedulerShim, WorkerShim,
-                                               missing_attributes, required_attributes, version_problem)
+from disagg.connector.plugin.vllm_shim import (
+    NixlPushScheduler,
+    NixlWorker,
+    SchedulerShim,
+    WorkerShim,
+    missing_attributes,
+    required_attributes,
+    version_problem,
+)
 
 
 @pytest.fixture(autouse=True)
