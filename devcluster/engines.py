@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,12 +18,13 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from disagg.connector.wire import env as wire_env
 from disagg.connector.wire.kv_transfer import kv_transfer_config
 
-from .cluster import die_with_parent, free_port
-from .procs import disagg_exe
+from .cluster import die_with_parent
+from .procs import children, disagg_exe, process_group, stack_dump
 
 PUSH, PULL = "NixlPushConnector", "NixlConnector"
 SUPERVISOR = str(Path(__file__).resolve().parent / "supervise.py")
@@ -43,13 +47,16 @@ class EngineSpec:
     plugin_dir: Path | None = None
     """A directory made by `disagg install-plugin`: the engine loads the disagg connector plugin from it (as an
     engine pod does from its init container's volume). None: vLLM's connector alone."""
+    push_registration_timeout: float | None = None
+    """Seconds a push decode waits for its prefill's KV (`spec.kvTransfer.registrationTimeoutSeconds`); None:
+    vLLM's default (480 s)."""
 
-    def kv_transfer_config(self) -> dict | None:
+    def kv_transfer_config(self) -> dict[str, Any] | None:
         if self.role is None:
             return None
         return kv_transfer_config(connector=PUSH if self.mode == "push" else PULL, role=self.role,
                                   engine_id=self.engine_id, backend="UCX", use_plugin=self.plugin_dir is not None,
-                                  buffer_device="cpu")
+                                  buffer_device="cpu", push_registration_timeout=self.push_registration_timeout)
 
 
 def install_plugin(target: Path) -> Path:
@@ -82,23 +89,40 @@ class EngineFailed(RuntimeError):
     pass
 
 
+def listen_port(host: str = "127.0.0.1") -> int:
+    """A free port below the kernel's ephemeral range, for a port an engine binds long after it is picked.
+
+    vLLM binds its NIXL side channel only once the model is loaded, tens of seconds after start. A port from
+    the ephemeral range (what binding port 0 gives) can meanwhile become some connection's local port (the
+    engine's own peers and rendezvous clients open many), and then vLLM's side-channel listener dies on bind
+    and the engine core waits for it forever. Outgoing connections never take ports below the range."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(max(low - 12000, 1024), low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range (from {low})")
+
+
 class LocalEngine:
     def __init__(self, spec: EngineSpec, python: Path, log_dir: Path):
         self.spec = spec
         self.python = python
         self.log = log_dir / f"{spec.name}.log"
-        self.proc: subprocess.Popen | None = None
-        spec.port = spec.port or free_port()
-        spec.side_channel_port = spec.side_channel_port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        spec.port = spec.port or listen_port()
+        spec.side_channel_port = spec.side_channel_port or listen_port()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.spec.port}"
 
-    def start(self) -> "LocalEngine":
+    def command(self) -> list[str]:
+        """The engine's own command line, which the supervisor runs."""
         s = self.spec
-        # A fresh engine id per start: a restarted engine must never reuse an id peers hold NIXL state for.
-        s.engine_id = f"{s.name}-{uuid.uuid4().hex[:12]}"
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
                 "--served-model-name", "tiny", "--dtype", "bfloat16", "--block-size", str(s.block_size),
                 "--enforce-eager", "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1",
@@ -107,6 +131,13 @@ class LocalEngine:
                 "--shutdown-timeout", "5"]
         if (cfg := s.kv_transfer_config()) is not None:
             argv += ["--kv-transfer-config", json.dumps(cfg)]
+        return argv
+
+    def start(self) -> LocalEngine:
+        s = self.spec
+        # A fresh engine id per start: a restarted engine must never reuse an id peers hold NIXL state for.
+        s.engine_id = f"{s.name}-{uuid.uuid4().hex[:12]}"
+        argv = self.command()
         env = {
             **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
             "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
@@ -130,7 +161,7 @@ class LocalEngine:
                                          preexec_fn=die_with_parent)
         return self
 
-    def wait_ready(self, timeout: float = 240) -> "LocalEngine":
+    def wait_ready(self, timeout: float = 240) -> LocalEngine:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is None or self.proc.poll() is not None:
@@ -141,7 +172,34 @@ class LocalEngine:
                     return self
             except OSError:
                 time.sleep(0.5)  # polling a child's HTTP port: there is nothing to await
-        raise EngineFailed(f"engine {self.spec.name} not healthy after {timeout}s; log: {self.log}\n{self.tail()}")
+        raise EngineFailed(f"engine {self.spec.name} not healthy after {timeout:g}s; log: {self.log}\n{self.tail()}\n"
+                           f"Errors in its log:\n{self.errors()}\n"
+                           f"Python stacks of its processes (py-spy dump):\n{self.stacks()}")
+
+    def errors(self, n: int = 40) -> str:
+        """The current incarnation's log lines that report an error, a traceback or a dead thread, last `n`: the
+        tail alone may be all retries (a plugin whose rendezvous is down logs every 2 s)."""
+        if not self.log.exists():
+            return "(no log)"
+        text = self.log.read_text(errors="replace")
+        lines = text[text.rfind("\n=== start "):].splitlines()
+        hits = [i for i, line in enumerate(lines) if "ClientConnectorError" not in line
+                and re.search(r"Traceback|Exception in thread|Error\b|ERROR", line)]
+        # A traceback's last line names the exception: keep the line after each hit too.
+        keep = sorted({j for i in hits for j in (i, i + 1) if j < len(lines)})
+        return "\n".join(lines[j] for j in keep[-n:]) or "(none)"
+
+    def processes(self) -> list[int]:
+        """The engine's processes: the API server the supervisor started (leader of its own process group), and
+        every process in that group (engine core, workers), leader first. Empty once it is gone."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        return [pid for leader in children(self.proc.pid) for pid in process_group(leader)]
+
+    def stacks(self) -> str:
+        """Every thread's Python stack in each of the engine's processes: what a hung start-up was doing."""
+        pids = self.processes()
+        return stack_dump(pids) if pids else "(no engine processes left)"
 
     def stop(self, grace: float = 20) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -153,7 +211,7 @@ class LocalEngine:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def restart(self) -> "LocalEngine":
+    def restart(self) -> LocalEngine:
         self.stop()
         return self.start()
 

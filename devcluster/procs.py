@@ -6,14 +6,16 @@ vLLM engines are `engines.LocalEngine` instead: they fork processes of their own
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Collection
 
 from .cluster import Process, free_port
 
@@ -21,6 +23,61 @@ from .cluster import Process, free_port
 def disagg_exe() -> str:
     """The `disagg` command of the running interpreter's environment."""
     return str(Path(sys.executable).parent / "disagg")
+
+
+def process_group(pgid: int) -> list[int]:
+    """The live processes of process group `pgid`, leader first (from /proc: no helper process needed)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited while we looked
+            continue
+        # Fields after the command name, which may itself hold spaces and parentheses: state ppid pgrp ...
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return sorted(members, key=lambda pid: (pid != pgid, pid))
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid` (every thread's list: a child may have been forked from any thread)."""
+    out: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return sorted(set(out))
+
+
+def py_spy() -> str | None:
+    """The py-spy command of this environment (the test extra installs it), or one on PATH."""
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+def stack_dump(pids: list[int], timeout: float = 30) -> str:
+    """Every thread's Python stack in each of `pids` (`py-spy dump`), one section per process. Never raises: a
+    process that cannot be dumped gets a line saying why instead."""
+    exe = py_spy()
+    if exe is None:
+        return "(no stack dump: py-spy is not installed; it comes with the test extra)"
+    sections = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmdline = "?"
+        try:
+            r = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
+            body = (r.stdout + r.stderr).strip() or f"(py-spy exited {r.returncode} with no output)"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            body = f"(py-spy failed: {e})"
+        sections.append(f"--- pid {pid}: {' '.join(cmdline.split())[:200]}\n{body}")
+    return "\n".join(sections)
 
 
 class ChildFailed(RuntimeError):
@@ -39,7 +96,7 @@ class HttpChild(Process):
         if self.popen is None or self.popen.poll() is not None:
             raise ChildFailed(f"{self.name} exited; log {self.log}\n{self.tail()}")
 
-    def wait_http(self, url: str, timeout: float = 60, ok: Collection[int] | None = (200,)) -> "HttpChild":
+    def wait_http(self, url: str, timeout: float = 60, ok: Collection[int] | None = (200,)) -> HttpChild:
         """Poll `url` until it answers a status in `ok` (None: any status at all)."""
         deadline = time.monotonic() + timeout
         last: int | str | None = None

@@ -13,12 +13,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
+from types import FrameType
 
-from ..wire.advertisement import EngineAdvertisement
 from ..rendezvous.client import EngineRegistration, RendezvousClient
-from ..wire import env as wire_env, kv_metadata
+from ..wire import env as wire_env
+from ..wire import kv_metadata
+from ..wire.advertisement import EngineAdvertisement
 from ..wire.env import LEASE_HEARTBEATS
 from .settings import PluginSettings
 
@@ -94,7 +96,7 @@ class EngineAdvertiser:
             return  # signal handlers can only be installed from the main thread
         previous = signal.getsignal(signal.SIGTERM)
 
-        def on_sigterm(signum: int, frame: object) -> None:
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
             self._stopping.set()
             self.registration.request_stop(deregister=False)
             self.deregister_now()

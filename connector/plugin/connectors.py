@@ -9,10 +9,13 @@ like one without it. Everything the plugin adds is beside the transfer path, nev
   engine to the rendezvous (`advertiser`), including every rank's NIXL handshake payload, and renew
   the lease until shutdown;
 - worker side (each worker process): watch the rendezvous and load compatible peers' NIXL agents before any
-  request needs them (`prewarm`), and drop them when the peer's entry goes away.
+  request needs them (`prewarm`), and drop them when the peer's entry goes away;
+- push decode: a request whose prefill's KV does not come within `push_registration_timeout` is failed (vLLM's
+  watchdog only drops its registration), so the client gets an error instead of waiting indefinitely.
 
 A rendezvous that is missing, slow or down never blocks or fails the engine: both sides run in their own
-threads, and vLLM's lazy side-channel handshake stays the fallback.
+threads, and vLLM's lazy side-channel handshake stays the fallback. Every access to vLLM's internals goes
+through `vllm_shim`, which checks them first; on a vLLM it does not know, the plugin steps aside.
 """
 from __future__ import annotations
 
@@ -26,9 +29,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nixl
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 
+from . import vllm_shim
 from .advertiser import EngineAdvertiser
 from .prewarm import PeerPrewarmer
 from .settings import PluginSettings
+from .vllm_shim import SchedulerShim, WorkerShim
 
 log = logging.getLogger("disagg.plugin")
 
@@ -46,65 +51,106 @@ def _log_like_vllm() -> None:
 
 
 _log_like_vllm()  # vLLM configures its logger on import, before it imports connector modules
+vllm_shim.check_vllm()  # once per process: a vLLM other than the one the plugin knows makes it step aside
 
 
 @dataclasses.dataclass
 class _PayloadWithTransport(NixlHandshakePayload):
     """What a worker hands its scheduler: vLLM's handshake payload plus the NIXL backends the worker really
-    instantiated (only the worker process knows them). The scheduler strips the extra field before vLLM
-    serves the payload to peers, so the wire format stays vLLM's."""
+    instantiated and, if the plugin stepped aside in the worker's process, why (only the worker process knows
+    either). The scheduler strips the extra fields before vLLM serves the payload to peers, so the wire format
+    stays vLLM's."""
 
     transport: str | None = None
+    stepped_aside: str | None = None
 
 
 class _DisaggMixin:
-    """The plugin's additions, shared by the push and pull connectors. Requires a NixlBaseConnector."""
+    """The plugin's additions, shared by the push and pull connectors. Requires a NixlBaseConnector.
+
+    Each addition runs only while the plugin is active in its process (`vllm_shim`): with the plugin stepped
+    aside, every method below is vLLM's own."""
 
     def _disagg_init(self, vllm_config: Any, role: KVConnectorRole) -> None:
         self._disagg = PluginSettings.from_vllm(vllm_config)
         self._advertiser: EngineAdvertiser | None = None
         self._prewarmer: PeerPrewarmer | None = None
-        self._is_worker = role == KVConnectorRole.WORKER
-        if self._disagg.rendezvous_url is None and role == KVConnectorRole.SCHEDULER:
-            log.info("disagg plugin: no $DISAGG_RENDEZVOUS_URL; not advertising, peers handshake lazily")
+        self._worker_shim: WorkerShim | None = None
+        self._scheduler_shim: SchedulerShim | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler_shim = SchedulerShim.attach(vllm_shim.connector_scheduler(self),
+                                                        push=self._disagg.kv_mode == "push")
+            if self._disagg.rendezvous_url is None:
+                log.info("disagg plugin: no $DISAGG_RENDEZVOUS_URL; not advertising, peers handshake lazily")
 
     # -- worker side --------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Any) -> None:
         super().register_kv_caches(kv_caches)  # type: ignore[misc]
-        worker = self.connector_worker  # type: ignore[attr-defined]
-        self._disagg.transport = "+".join(worker.nixl_wrapper.backends) or None
+        # After vLLM's registration: the worker's layout attributes exist only from here on.
+        self._worker_shim = shim = WorkerShim.attach(vllm_shim.connector_worker(self))
+        if shim is None:
+            return
+        self._disagg.transport = "+".join(shim.backends()) or None
         if self._disagg.rendezvous_url is not None and self._prewarmer is None:
-            self._prewarmer = PeerPrewarmer(worker, self._disagg)
+            self._prewarmer = PeerPrewarmer(shim, self._disagg)
             self._prewarmer.start()
 
     def get_handshake_metadata(self) -> Any:
         payload = super().get_handshake_metadata()  # type: ignore[misc]
         if isinstance(payload, NixlHandshakePayload):
             return _PayloadWithTransport(payload.compatibility_hash, payload.agent_metadata_bytes,
-                                         transport=self._disagg.transport)
+                                         transport=self._disagg.transport,
+                                         stepped_aside=None if self._worker_shim is not None
+                                         else vllm_shim.stepped_aside() or "the worker was not checked")
         return payload
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._prewarmer is not None:
             self._prewarmer.release_departed()  # the engine's main thread: where vLLM itself releases peers
         super().start_load_kv(forward_context, **kwargs)  # type: ignore[misc]
+        if self._worker_shim is not None:
+            for request_id in vllm_shim.failed_receives(vllm_shim.connector_metadata(self)):
+                if self._worker_shim.fail_receive(request_id):
+                    log.warning("disagg plugin: request %s: no KV from its prefill engine within the registration "
+                                "timeout; failing it", request_id)
 
     # -- scheduler side ------------------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """vLLM's metadata for this step, plus the decode requests whose push registration vLLM's watchdog just
+        dropped (`push_registration_timeout` passed without their KV). vLLM only drops the registration and the
+        request would wait on; the workers fail its receive instead, so the scheduler finishes it with an error
+        (vLLM's default `kv_load_failure_policy: fail`) and the client gets an answer."""
+        shim = self._scheduler_shim
+        if shim is None or not shim.push:
+            return super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+        watched = shim.watched_registrations()
+        meta = super().build_connector_meta(scheduler_output)  # type: ignore[misc]
+        # Within this call only vLLM's watchdog removes deadlines, so the difference is exactly its expiries.
+        if expired := watched - shim.watched_registrations():
+            log.warning("disagg plugin: push registration of request(s) %s timed out after %.1f s; failing them",
+                        sorted(expired), shim.registration_timeout())
+            vllm_shim.mark_failed_receives(meta, expired)
+        return meta
+
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         transports = {m.transport for m in metadata.values() if isinstance(m, _PayloadWithTransport)}
+        aside = {rank: m.stepped_aside if isinstance(m, _PayloadWithTransport) else "no plugin payload"
+                 for rank, m in metadata.items()}
         plain = {rank: NixlHandshakePayload(m.compatibility_hash, m.agent_metadata_bytes)
                  if isinstance(m, NixlHandshakePayload) else m for rank, m in metadata.items()}
         super().set_xfer_handshake_metadata_pp_aware(plain)  # type: ignore[misc]
-        if self._disagg.rendezvous_url is None or self._advertiser is not None:
+        if self._disagg.rendezvous_url is None or self._advertiser is not None or self._scheduler_shim is None:
+            return
+        if reasons := {f"{rank}: {why}" for rank, why in aside.items() if why}:
+            vllm_shim.step_aside(f"worker rank(s) stepped aside ({'; '.join(sorted(reasons))})")
             return
         transport = "+".join(sorted(t for t in transports if t)) or None
         try:
             encoded = {rank: msgspec.msgpack.encode(m) for rank, m in plain.items()}
             hashes = {m.compatibility_hash for m in plain.values()}
+            host, port = self._scheduler_shim.side_channel()
             self._advertiser = EngineAdvertiser(self._disagg, encoded, hashes.pop() if len(hashes) == 1 else None,
-                                                transport,
-                                                self.connector_scheduler.side_channel_host,  # type: ignore[attr-defined]
-                                                self.connector_scheduler.side_channel_port)  # type: ignore[attr-defined]
+                                                transport, host, port)
             self._advertiser.start()
         except Exception:  # a broken advertisement must not take the engine down: peers fall back to lazy
             log.exception("disagg plugin: cannot advertise this engine; peers will handshake lazily")

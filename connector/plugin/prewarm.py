@@ -16,7 +16,8 @@ ahead of time:
 
 The one hook into vLLM: the worker's `_nixl_handshake` is replaced on the instance by `_handshake`, which uses
 the advertised payload when there is one and calls vLLM's original otherwise. Everything else (futures, locks,
-agent bookkeeping, the single handshake thread) is vLLM's.
+agent bookkeeping, the single handshake thread) is vLLM's. Every touch of the worker goes through its
+`vllm_shim.WorkerShim`.
 """
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ import threading
 import time
 from typing import Any
 
-from ..wire.advertisement import EngineAdvertisement, WatchEvent
-from .settings import PluginSettings
-from .write_warmup import SkipWarmup, warm_write_path
 from ..rendezvous.client import EngineCache, RendezvousClient
 from ..wire import kv_metadata
+from ..wire.advertisement import EngineAdvertisement, WatchEvent
+from .settings import PluginSettings
+from .vllm_shim import Agents, MissingRank, WorkerShim
+from .write_warmup import SkipWarmup, warm_write_path
 
 log = logging.getLogger("disagg.plugin")
 EMPTY_HEARTBEAT = b"HB:"
@@ -39,15 +41,14 @@ EMPTY_HEARTBEAT = b"HB:"
 
 
 class PeerPrewarmer:
-    def __init__(self, worker: Any, settings: PluginSettings) -> None:
-        self.worker = worker
+    def __init__(self, shim: WorkerShim, settings: PluginSettings) -> None:
+        self.shim = shim
         self.settings = settings
         self.peers: dict[str, EngineAdvertisement] = {}
         self.counts = {"from_advertisement": 0, "side_channel": 0, "released": 0, "failed": 0, "write_warmed": 0}
         self._lock = threading.Lock()
         self._departed: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._side_channel_handshake = worker._nixl_handshake
-        worker._nixl_handshake = self._handshake
+        self._side_channel_handshake = shim.hook_handshake(self._handshake)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._thread: threading.Thread | None = None
@@ -111,8 +112,8 @@ class PeerPrewarmer:
             return  # a pull prefill never loads its readers' agents
         notif_only = s.kv_mode == "push" and s.role == "decode"
         t0 = time.perf_counter()
-        fut = self.worker._ensure_handshake(adv.engine_id, adv.side_channel_host, adv.side_channel_port,
-                                            adv.tp_size, pp_size=adv.pp_size, notif_agents_only=notif_only)
+        fut = self.shim.ensure_handshake(adv.engine_id, adv.side_channel_host, adv.side_channel_port, adv.tp_size,
+                                         pp_size=adv.pp_size, notif_agents_only=notif_only)
         if fut is None:
             return  # already loaded
 
@@ -129,7 +130,7 @@ class PeerPrewarmer:
     # -- the hook: runs on vLLM's handshake thread ---------------------------------------------------------
     def _handshake(self, host: str, port: int, remote_tp_size: int, expected_engine_id: str,
                    remote_dcp_size: int = 1, remote_pp_size: int = 1,
-                   notif_agents_only: bool = False) -> tuple[dict[tuple[int, int], str], float]:
+                   notif_agents_only: bool = False) -> tuple[Agents, float]:
         with self._lock:
             adv = self.peers.get(expected_engine_id)
         payloads = kv_metadata.decode(adv.kv_metadata) if adv is not None and self.settings.kv_mode == "push" \
@@ -143,7 +144,7 @@ class PeerPrewarmer:
                          "no side-channel handshake)", adv.role, expected_engine_id, len(agents))  # type: ignore
                 # Push never reads the clock offset (pull's is measured by the side-channel round trip).
                 return agents, 0.0
-            except _MissingRank as e:
+            except MissingRank as e:
                 log.info("disagg plugin: %s; using the side channel", e)
         self.counts["side_channel"] += 1
         log.info("disagg plugin: side-channel handshake with engine %s at %s:%d", expected_engine_id, host, port)
@@ -151,44 +152,18 @@ class PeerPrewarmer:
                                             remote_pp_size, notif_agents_only)
 
     def _load_advertised(self, payloads: dict[tuple[int, int], bytes], remote_tp_size: int, engine_id: str,
-                         remote_dcp_size: int, remote_pp_size: int,
-                         notif_agents_only: bool) -> dict[tuple[int, int], str]:
-        """vLLM's `_nixl_handshake` with the payloads taken from the advertisement instead of GET_META."""
-        import msgspec
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-            NixlAgentMetadata, NixlHandshakePayload)
-        from vllm.platforms import current_platform
-
-        w = self.worker
-        if w._is_csa_linear:
-            w._validate_csa_linear_tp_layout(remote_tp_size)
-        if not w.use_host_buffer:
-            current_platform.set_device(w.device_id)  # the same reason as vLLM: a device context on this thread
-        targets = [(pp, tp) for pp in range(remote_pp_size)
-                   for tp in w.transfer_topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)]
-        missing = [t for t in targets if t not in payloads]
-        if missing:
-            raise _MissingRank(f"engine {engine_id}'s advertisement lacks ranks {missing}")
-        agents: dict[tuple[int, int], str] = {}
-        for pp, tp in targets:
-            payload = msgspec.msgpack.decode(payloads[(pp, tp)], type=NixlHandshakePayload)
-            if w.enforce_compat_hash and payload.compatibility_hash != w.compat_hash:
-                raise RuntimeError(f"NIXL compatibility hash mismatch with engine {engine_id}: local "
-                                   f"{w.compat_hash}, advertised {payload.compatibility_hash}")
-            meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
-            w._validate_remote_parallel_config(meta)
-            if meta.engine_id != engine_id:
-                raise RuntimeError(f"advertised NIXL agent belongs to engine {meta.engine_id}, not {engine_id}")
-            agents[(pp, tp)] = (w._add_notif_only_remote_agent(meta, remote_tp_size, meta.dcp_size)
-                                if notif_agents_only else w.add_remote_agent(meta, tp, remote_tp_size, meta.dcp_size))
+                         remote_dcp_size: int, remote_pp_size: int, notif_agents_only: bool) -> Agents:
+        """vLLM's `_nixl_handshake` with the payloads taken from the advertisement instead of GET_META, then one
+        message over each new connection and, for a push prefill, the WRITE warm-up."""
+        agents = self.shim.load_agents(payloads, remote_tp_size, engine_id, remote_dcp_size, remote_pp_size,
+                                       notif_agents_only)
         for name in agents.values():
-            try:  # set up the transport endpoint now rather than on the first transfer
-                w.nixl_wrapper.make_connection(name)
-                # ...and carry one message over it: an empty vLLM heartbeat, which the peer reads as extending no
-                # lease. Without it the first message of the pair's first request (decode's PUSH_REG, or
-                # prefill's completion) rode a connection never used before, and now and then arrived ~100 ms
-                # late (bench/cold_pair.py).
-                w.nixl_wrapper.send_notif(name, notif_msg=EMPTY_HEARTBEAT)
+            try:
+                # Set up the transport endpoint now rather than on the first transfer, and carry one message over
+                # it: an empty vLLM heartbeat, which the peer reads as extending no lease. Without it the first
+                # message of the pair's first request (decode's PUSH_REG, or prefill's completion) rode a
+                # connection never used before, and now and then arrived ~100 ms late (bench/cold_pair.py).
+                self.shim.connect(name, EMPTY_HEARTBEAT)
             except Exception as e:
                 log.info("disagg plugin: connecting to %s ahead of time failed: %s (connects on first use)", name, e)
         if not notif_agents_only and self.settings.write_warmup:
@@ -197,7 +172,7 @@ class PeerPrewarmer:
 
     def _warm_write_path(self, engine_id: str) -> None:
         try:
-            done = warm_write_path(self.worker, engine_id)
+            done = warm_write_path(self.shim, engine_id)
         except SkipWarmup as e:
             log.info("disagg plugin: not warming the WRITE path to decode engine %s: %s", engine_id, e)
         except Exception as e:  # the first request sets the transport up instead, as without the plugin
@@ -211,7 +186,6 @@ class PeerPrewarmer:
 
     # -- releasing departed peers: the engine's main thread ------------------------------------------------
     def release_departed(self) -> None:
-        w = self.worker
         while True:
             try:
                 engine_id = self._departed.get_nowait()
@@ -220,15 +194,9 @@ class PeerPrewarmer:
             with self._lock:
                 if engine_id in self.peers:
                     continue  # it came back
-            with w._handshake_lock:
-                loaded = engine_id in w._remote_agents and engine_id not in w._handshake_futures
-            if loaded:
-                t0 = time.perf_counter()
-                w._cleanup_remote_engine(engine_id, log_eviction=False)
+            t0 = time.perf_counter()
+            if self.shim.release_if_loaded(engine_id):
                 self.counts["released"] += 1
                 log.info("disagg plugin: released NIXL agent of departed engine %s in %.1f ms", engine_id,
                          (time.perf_counter() - t0) * 1000)
 
-
-class _MissingRank(Exception):
-    pass

@@ -6,20 +6,31 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ..wire import env as wire_env
+from ..wire.advertisement import KvMode, Role
 from ..wire.kv_transfer import ROLE_OF_KV_ROLE
 
 PUSH_CONNECTORS = frozenset({"NixlPushConnector"})
 
 
+def _role(value: str | None) -> Role | None:
+    """An engine role, or None for anything else (kv_both, a typo): such an engine does not advertise."""
+    if value == "prefill":
+        return "prefill"
+    if value == "decode":
+        return "decode"
+    return None
+
+
 @dataclass
 class PluginSettings:
     engine_id: str
-    role: str | None
-    kv_mode: str
+    role: Role | None
+    kv_mode: KvMode
     deployment: str
     layout_key: str
     tp_size: int
@@ -52,12 +63,12 @@ class PluginSettings:
         kv = vllm_config.kv_transfer_config
         par = vllm_config.parallel_config
         block_size = int(vllm_config.cache_config.block_size)
-        mode = "push" if kv.kv_connector in PUSH_CONNECTORS else "pull"
+        mode: KvMode = "push" if kv.kv_connector in PUSH_CONNECTORS else "pull"
         model = getattr(vllm_config.model_config, "model", "") or ""
         dtype = str(getattr(vllm_config.model_config, "dtype", ""))
         return cls(
             engine_id=kv.engine_id,
-            role=env.get(wire_env.ROLE) or ROLE_OF_KV_ROLE.get(kv.kv_role),
+            role=_role(env.get(wire_env.ROLE) or ROLE_OF_KV_ROLE.get(kv.kv_role)),
             kv_mode=mode,
             deployment=env.get(wire_env.DEPLOYMENT) or "local",
             # Without the operator's key, derive one from what must match between paired engines.

@@ -3,6 +3,13 @@
 Engines load the disagg connector plugin from a directory made by the real `disagg install-plugin` (what an
 engine pod's init container does) and advertise themselves to the rendezvous; nothing registers on their
 behalf.
+
+Invariant: a core runs at most one engine at any time (`TestEngine.start` refuses a second). A vLLM CPU engine
+computes on its pinned core and its NIXL progress thread spins there too, so two engines on one core starve
+each other past any start-up deadline (on a fresh 2-core CI machine four engines at once left a decode
+unhealthy after 240 s). Hence each module owns at most one engine per core and stops them before the next
+module starts its own (module-scoped fixtures), and the session's plain `reference` engine stops before any
+module's engines start (every engine fixture depends on it).
 """
 from __future__ import annotations
 
@@ -15,6 +22,21 @@ from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, 
 from support.engines import PROMPTS, Service, chat, completion, post, text_of
 
 RENDEZVOUS = LocalRendezvous(token="engine-tests-token", deployment="tests", heartbeat=2)
+
+
+class TestEngine(LocalEngine):
+    """A LocalEngine that refuses to start on a core another running engine of this session holds."""
+
+    __test__ = False
+    running: list[TestEngine] = []
+
+    def start(self) -> TestEngine:
+        TestEngine.running = [e for e in TestEngine.running if e.proc is not None and e.proc.poll() is None]
+        busy = [e.spec.name for e in TestEngine.running if e.spec.core == self.spec.core and e is not self]
+        assert not busy, f"core {self.spec.core} already runs engine(s) {busy}; cannot start {self.spec.name}"
+        super().start()
+        TestEngine.running.append(self)
+        return self
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +57,7 @@ def engine_logs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def reference(vllm_python, model, engine_logs) -> dict[tuple[str, int], str]:
     """Greedy outputs of one plain (non-disaggregated) engine: what every P/D path must reproduce."""
-    engine = LocalEngine(EngineSpec("reference", None, model, core=0), vllm_python, engine_logs).start()
+    engine = TestEngine(EngineSpec("reference", None, model, core=0), vllm_python, engine_logs).start()
     try:
         engine.wait_ready()
         out = {}
@@ -63,33 +85,49 @@ def plugin_dir(tmp_path_factory) -> Path:
 
 
 class Pair:
-    """A prefill and a decode engine with the plugin, advertising to the rendezvous, and a router in front."""
+    """A prefill engine on core 0 and a decode engine on core 1, each with the plugin and advertising to the
+    rendezvous, and a router in front. The engines' modes may differ (`decode_mode`): such a pair is never
+    paired, which is what its test shows."""
 
-    def __init__(self, mode: str, python: Path, model: Path, logs: Path, rendezvous: Service, plugin_dir: Path):
+    def __init__(self, mode: str, python: Path, model: Path, logs: Path, rendezvous: Service, plugin_dir: Path,
+                 decode_mode: str | None = None, name: str | None = None):
         self.mode, self.rendezvous, self.logs = mode, rendezvous, logs
+        prefix = f"{name}-" if name else ""
+        self.decode_mode = decode_mode or mode
         env = RENDEZVOUS.engine_env(rendezvous.url)
-        self.prefill = LocalEngine(EngineSpec(f"{mode}-prefill", "prefill", model, core=0, mode=mode,
-                                              plugin_dir=plugin_dir, extra_env=env), python, logs)
-        self.decode = LocalEngine(EngineSpec(f"{mode}-decode", "decode", model, core=1, mode=mode,
+        self.prefill = TestEngine(EngineSpec(f"{prefix}{mode}-prefill", "prefill", model, core=0, mode=mode,
                                              plugin_dir=plugin_dir, extra_env=env), python, logs)
+        self.decode = TestEngine(EngineSpec(f"{prefix}{self.decode_mode}-decode", "decode", model, core=1,
+                                            mode=self.decode_mode, plugin_dir=plugin_dir, extra_env=env), python, logs)
         self.router: Service | None = None
+        self.routers: list[Service] = []
 
-    def start(self) -> "Pair":
+    def start(self) -> Pair:
         for e in (self.prefill, self.decode):
             e.start()
         for e in (self.prefill, self.decode):
             e.wait_ready()
-        self.router = self.start_router(f"{self.mode}-router", self.mode)
+        self.router = self.start_router(f"{self.prefill.spec.name.removesuffix('-prefill')}-router", self.mode)
         return self
 
     def start_router(self, name: str, mode: str, dispatch: str = "concurrent") -> Service:
         router = Service(name, ["router", "--mode", mode, "--dispatch", dispatch, "--rendezvous", self.rendezvous.url,
                                 "--request-timeout", "60"], self.logs)
+        self.routers.append(router)
         return router.start(ready_path="/health")
 
+    def replace_decode(self, **spec: object) -> TestEngine:
+        """Stop the decode engine and start another on its core, its spec changed by `spec` (name, mode, ...)."""
+        old = self.decode
+        old.stop()
+        fields = {**vars(old.spec), "port": 0, "side_channel_port": 0, "engine_id": "", **spec}
+        self.decode = TestEngine(EngineSpec(**fields), old.python, self.logs)
+        self.decode.start().wait_ready()
+        return self.decode
+
     def stop(self) -> None:
-        if self.router:
-            self.router.stop()
+        for router in self.routers:
+            router.stop()
         for e in (self.prefill, self.decode):
             e.stop()
 
@@ -108,5 +146,17 @@ def pull_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_dir
     pair = Pair("pull", vllm_python, model, engine_logs, rendezvous, plugin_dir)
     try:
         yield pair.start()
+    finally:
+        pair.stop()
+
+
+@pytest.fixture(scope="module")
+def mixed_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_dir):
+    """A push prefill and a pull decode, with a push router (`routers[0]`) and a pull router (`routers[1]`)."""
+    pair = Pair("push", vllm_python, model, engine_logs, rendezvous, plugin_dir, decode_mode="pull", name="mixed")
+    try:
+        pair.start()
+        pair.start_router("mixed-pull-router", "pull")
+        yield pair
     finally:
         pair.stop()

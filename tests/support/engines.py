@@ -6,13 +6,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 
+from disagg.connector.router import pd_protocol
+from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.devcluster.procs import DisaggService
 from support.metrics import scrape
 
-
-PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 8, "Disaggregated serving splits prefill and decode. " * 20]
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 8,
+           "Disaggregated serving splits prefill and decode. " * 20]
 MAX_TOKENS = 12
+LAZY_HANDSHAKE = "side-channel handshake with engine"
+"""What the plugin logs when vLLM's lazy GET_META handshake runs instead of the advertised metadata."""
 
 
 def completion(prompt: str) -> dict:
@@ -27,7 +32,7 @@ def chat(prompt: str) -> dict:
 class Service(DisaggService):
     """`disagg rendezvous` or `disagg router` as a child process; start() returns once it serves."""
 
-    def start(self, ready_path: str = "/health", timeout: float = 30, ok=None) -> "Service":
+    def start(self, ready_path: str = "/health", timeout: float = 30, ok=None) -> Service:
         # Any status by default: a router answers /health (503) before it has a pair to route to.
         super().start()
         return self.wait_http(self.url + ready_path, timeout, ok)
@@ -142,3 +147,60 @@ def await_log(engine, needle: str, timeout: float = 60) -> str:
             return lines[0]
         time.sleep(0.1)
     raise TimeoutError(f"{engine.spec.name} did not log {needle!r} in {timeout}s; log {engine.log}\n{engine.tail()}")
+
+
+def advertised(rendezvous_url: str) -> dict[str, EngineAdvertisement]:
+    with urllib.request.urlopen(rendezvous_url + "/v1/engines", timeout=5) as r:
+        return {e["engine_id"]: EngineAdvertisement.model_validate(e) for e in json.load(r)["engines"]}
+
+
+def await_advertised(rendezvous_url: str, engine_id: str, timeout: float = 60) -> EngineAdvertisement:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if (adv := advertised(rendezvous_url).get(engine_id)) is not None:
+                return adv
+        except OSError:
+            pass
+        time.sleep(0.2)  # another process's registry: nothing to await but polling
+    raise TimeoutError(f"{engine_id} not advertised at {rendezvous_url} within {timeout}s")
+
+
+def push_decode_leg(prefill, decode, body: dict, request_id: str, timeout: float = 60) -> tuple[int, dict | str]:
+    """A push request's decode leg sent straight to `decode`, naming `prefill` as the engine that will WRITE the
+    KV of `request_id` (what the router sends, without the router or the rendezvous)."""
+    adv = EngineAdvertisement(role="prefill", engine_id=prefill.spec.engine_id, deployment="tests",
+                              http_url=prefill.url, side_channel_host="127.0.0.1",
+                              side_channel_ports=[prefill.spec.side_channel_port], tp_size=1, block_size=128,
+                              layout_key="any", kv_mode="push")
+    return post(decode.url + "/v1/completions",
+                pd_protocol.decode_body(body, pd_protocol.push_decode_params("completions", request_id, adv)),
+                request_id=request_id, timeout=timeout)
+
+
+def push_by_hand(prefill, decode, body: dict, sequential: bool = False) -> tuple[int, dict | str]:
+    """Both legs of a push request sent straight to the engines (no router, no rendezvous), as the router does:
+    at once, or (`sequential`) the decode leg once the prefill leg has answered."""
+    rid = uuid.uuid4().hex
+    prefill_result: list = []
+    leg = threading.Thread(target=lambda: prefill_result.append(
+        post(prefill.url + "/v1/completions", pd_protocol.prefill_body("completions", body), request_id=rid)))
+    leg.start()
+    if sequential:
+        leg.join(60)
+    out = push_decode_leg(prefill, decode, body, rid)
+    leg.join(60)
+    assert prefill_result and prefill_result[0][0] == 200, prefill_result
+    return out
+
+
+def check_outputs(router_url: str, reference: dict) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        status, resp = post(router_url + "/v1/completions", completion(prompt))
+        assert status == 200, resp
+        assert text_of(resp) == reference[("completion", i)]
+        assert stream_text(router_url + "/v1/completions", completion(prompt)) == reference[("completion", i)]
+        status, resp = post(router_url + "/v1/chat/completions", chat(prompt))
+        assert status == 200, resp
+        assert text_of(resp) == reference[("chat", i)]
+        assert stream_text(router_url + "/v1/chat/completions", chat(prompt)) == reference[("chat", i)]

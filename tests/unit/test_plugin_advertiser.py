@@ -16,8 +16,8 @@ import time
 import pytest
 
 from disagg.connector.rendezvous.auth import TokenAuth
-from disagg.connector.rendezvous.server import RendezvousServer
 from disagg.connector.rendezvous.client import RendezvousClient
+from disagg.connector.rendezvous.server import RendezvousServer
 
 CHILD = textwrap.dedent('''
     import sys, time

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.connector.plugin.advertiser import build_advertisement
-from disagg.connector.wire import kv_metadata
 from disagg.connector.plugin.settings import PluginSettings
 from disagg.connector.rendezvous.client import RendezvousClient
+from disagg.connector.wire import kv_metadata
+from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.operator import names
 from disagg.operator.engine_builders import engine_env
 from disagg.operator.merge import deep_merge

@@ -2,8 +2,9 @@
 
 The plain layout (equal TP and block sizes) is exercised on real engines in tests/engines. A pair with other TP
 or block sizes, or a hybrid SSM model, cannot be started on this 2-core CPU machine, so those refusals use a
-named fake: `fake_worker()` has the attributes of vLLM's NIXL worker that the warm-up reads, and a NIXL wrapper
-that records any transfer, so the test can prove that nothing was written.
+named fake: `fake_worker()` has the attributes of vLLM's NIXL worker that the warm-up reads (through the plugin's
+`WorkerShim`, unchecked), and a NIXL wrapper that records any transfer, so the test can prove that nothing was
+written.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from disagg.connector.plugin.vllm_shim import WorkerShim
 from disagg.connector.plugin.write_warmup import SkipWarmup, warm_write_path
 
 
@@ -52,5 +54,5 @@ def fake_worker(tp_ratio=1, block_size_ratio=1, has_mamba=False, layer_groups=()
 def test_other_layouts_are_skipped_before_any_transfer(layout, reason):
     worker = fake_worker(**layout)
     with pytest.raises(SkipWarmup, match=reason):
-        warm_write_path(worker, "decode-1")
+        warm_write_path(WorkerShim(worker), "decode-1")
     assert worker.nixl_wrapper.calls == []

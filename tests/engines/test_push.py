@@ -1,43 +1,34 @@
-"""Disaggregated prefill/decode through the router on real vLLM engines: outputs equal a single engine's."""
+"""Push-mode prefill/decode through the router on real vLLM engines (one pair for the module): outputs equal a
+single engine's, the plugin pre-warms the pair, and the pair survives restarts of its parts."""
 from __future__ import annotations
 
-import json
 import re
-import threading
 import time
-import urllib.request
-import uuid
 
 import msgspec
 import pytest
 
-from disagg.connector.router import pd_protocol
-from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.connector.wire import kv_metadata
-from support.engines import PROMPTS, Load, await_log, log_lines, chat, completion, await_status, metric, post, post_raw, stream_text, text_of
+from disagg.connector.wire.advertisement import EngineAdvertisement
+from support.engines import (
+    LAZY_HANDSHAKE,
+    PROMPTS,
+    Load,
+    advertised,
+    await_advertised,
+    await_log,
+    await_status,
+    check_outputs,
+    completion,
+    log_lines,
+    metric,
+    post,
+    post_raw,
+    push_by_hand,
+    text_of,
+)
 
 pytestmark = pytest.mark.engines
-
-
-LAZY_HANDSHAKE = "side-channel handshake with engine"
-"""What the plugin logs when vLLM's lazy GET_META handshake runs instead of the advertised metadata."""
-
-
-def advertised(rendezvous_url: str) -> dict[str, EngineAdvertisement]:
-    with urllib.request.urlopen(rendezvous_url + "/v1/engines", timeout=5) as r:
-        return {e["engine_id"]: EngineAdvertisement.model_validate(e) for e in json.load(r)["engines"]}
-
-
-def await_advertised(rendezvous_url: str, engine_id: str, timeout: float = 60) -> EngineAdvertisement:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if (adv := advertised(rendezvous_url).get(engine_id)) is not None:
-                return adv
-        except OSError:
-            pass
-        time.sleep(0.2)  # another process's registry: nothing to await but polling
-    raise TimeoutError(f"{engine_id} not advertised at {rendezvous_url} within {timeout}s")
 
 
 def null_block_descriptors(adv: EngineAdvertisement) -> list[int]:
@@ -47,37 +38,6 @@ def null_block_descriptors(adv: EngineAdvertisement) -> list[int]:
     meta = msgspec.msgpack.decode(payload["agent_metadata_bytes"])
     per_region = meta["region_num_blocks"] or [meta["num_blocks"]] * len(meta["block_lens"])
     return [sum(per_region[:k]) for k in range(len(per_region))]
-
-
-def push_by_hand(prefill, decode, body: dict) -> tuple[int, dict | str]:
-    """Both legs of a push request sent straight to the engines (no router, no rendezvous), as the router does."""
-    rid = uuid.uuid4().hex
-    adv = EngineAdvertisement(role="prefill", engine_id=prefill.spec.engine_id, deployment="tests",
-                              http_url=prefill.url, side_channel_host="127.0.0.1",
-                              side_channel_ports=[prefill.spec.side_channel_port], tp_size=1, block_size=128,
-                              layout_key="any", kv_mode="push")
-    prefill_result: list = []
-    leg = threading.Thread(target=lambda: prefill_result.append(
-        post(prefill.url + "/v1/completions", pd_protocol.prefill_body("completions", body), request_id=rid)))
-    leg.start()
-    out = post(decode.url + "/v1/completions",
-               pd_protocol.decode_body(body, pd_protocol.push_decode_params("completions", rid, adv)),
-               request_id=rid, timeout=60)
-    leg.join(60)
-    assert prefill_result and prefill_result[0][0] == 200, prefill_result
-    return out
-
-
-def check_outputs(router_url: str, reference: dict) -> None:
-    for i, prompt in enumerate(PROMPTS):
-        status, resp = post(router_url + "/v1/completions", completion(prompt))
-        assert status == 200, resp
-        assert text_of(resp) == reference[("completion", i)]
-        assert stream_text(router_url + "/v1/completions", completion(prompt)) == reference[("completion", i)]
-        status, resp = post(router_url + "/v1/chat/completions", chat(prompt))
-        assert status == 200, resp
-        assert text_of(resp) == reference[("chat", i)]
-        assert stream_text(router_url + "/v1/chat/completions", chat(prompt)) == reference[("chat", i)]
 
 
 class TestPush:
@@ -101,6 +61,8 @@ class TestPush:
         assert metric(url, "disagg_router_handoff_seconds_count", mode="push") == 1
         for engine in (p, d):
             assert log_lines(engine, LAZY_HANDSHAKE) == [] and log_lines(engine, "NIXL compatibility check") == []
+            # The real vLLM worker and scheduler have every attribute the plugin's vllm_shim checks for.
+            assert log_lines(engine, "stepping aside") == []
 
     def test_prefill_warmed_the_write_path_through_null_blocks_only(self, push_pair):
         """Right after loading a decode, prefill WRITEs its null block into decode's, so the pair's first real
@@ -214,22 +176,3 @@ class TestPush:
         assert time.monotonic() - t0 < 2.5
         status, resp = post(url + "/v1/completions", completion(PROMPTS[0]), timeout=10)
         assert status in (502, 503), "a request with no prefill engine fails fast instead of hanging"
-
-
-class TestPull:
-    def test_outputs_equal_a_single_engine_streaming_and_not(self, pull_pair, reference):
-        await_status(pull_pair.router.url + "/health")
-        check_outputs(pull_pair.router.url, reference)
-        assert metric(pull_pair.router.url, "disagg_router_handoff_seconds_count", mode="pull") >= 8
-        # Pull decode handshakes with prefill ahead of time over the side channel (pull needs the clock offset
-        # only that round trip measures); both engines advertise.
-        await_log(pull_pair.decode, f"pre-warmed prefill engine {pull_pair.prefill.spec.engine_id}")
-        ads = advertised(pull_pair.rendezvous.url)
-        assert {ads[e.spec.engine_id].kv_mode for e in (pull_pair.prefill, pull_pair.decode)} == {"pull"}
-
-    def test_push_and_pull_engines_are_never_paired(self, pull_pair, push_pair):
-        """The push pair's engines are registered too (push_pair ran first), but a pull router ignores them."""
-        # A push router sees only push engines: with the push prefill stopped by the previous test, it has no
-        # pair, even though a pull prefill is alive and registered.
-        status, _ = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[0]), timeout=10)
-        assert status == 503
