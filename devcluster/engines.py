@@ -149,7 +149,7 @@ class LocalEngine:
             "TOKENIZERS_PARALLELISM": "false",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
             **({"PYTHONPATH": str(s.plugin_dir), wire_env.ENGINE_ID: s.engine_id, wire_env.HTTP_PORT: str(s.port),
-                wire_env.ROLE: s.role or "", wire_env.KV_MODE: s.mode} if s.plugin_dir is not None else {}),
+                wire_env.ROLE: s.role or ""} if s.plugin_dir is not None else {}),
             **s.extra_env,
         }
         with self.log.open("ab") as out:

@@ -212,7 +212,9 @@ class KVTransferSpec(Model):
     lease_seconds: int = Field(default=30, ge=1, le=3600)
     """How long prefill holds finished KV blocks for decode to claim before freeing them."""
     registration_timeout_seconds: int = Field(default=60, ge=1, le=3600)
-    """How long a decode request waits for its KV before it is aborted (vLLM's default is 480 s)."""
+    """Push mode: how long a decode request waits for its prefill's KV before it fails with an error (vLLM's
+    `push_registration_timeout`; its default is 480 s). Keep it above the longest a prefill can queue: a
+    prefill that finishes later finds its decode gone."""
 
 
 EfaSetting = Literal["auto", "off"] | Annotated[int, Field(ge=0)]

@@ -170,7 +170,6 @@ def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any
         _env(wire_env.RENDEZVOUS_URL, names.rendezvous_url(name, namespace_of(cr))),
         engine_rendezvous_auth_env(cr),
         _env(wire_env.HEARTBEAT_SECONDS, spec.rendezvous.heartbeat_seconds),
-        _env(wire_env.KV_MODE, spec.kv_transfer.mode),
         # vLLM's own knob for how long a producer keeps unclaimed KV blocks (pull mode's lease).
         _env("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", spec.kv_transfer.lease_seconds),
         # The plugin runs inside vLLM's engine core, which does not know the API server's port it advertises.

@@ -103,7 +103,7 @@ class EngineAdvertisement(WireModel):
     """`$DISAGG_LAYOUT_KEY`: the router only pairs engines with equal keys (model, dtype, block size, mode,
     image), so engines of two generations are never paired during a rollout."""
     kv_mode: KvMode
-    """`push` or `pull` (`$DISAGG_KV_MODE`)."""
+    """`push` or `pull`: from the connector class the engine runs (NixlPushConnector is push)."""
     transport: str | None = None
     """The NIXL backend actually instantiated (e.g. `UCX`, `LIBFABRIC`); None until known."""
     kv_metadata: str | dict[str, Any] | None = None

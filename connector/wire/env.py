@@ -21,7 +21,6 @@ ROLE: Final = "DISAGG_ROLE"
 DEPLOYMENT: Final = "DISAGG_DEPLOYMENT"
 LAYOUT_KEY: Final = "DISAGG_LAYOUT_KEY"
 """Engines pair only within one layout key (model, dtype, block size, connector mode, image)."""
-KV_MODE: Final = "DISAGG_KV_MODE"
 HTTP_PORT: Final = "DISAGG_HTTP_PORT"
 """The engine's API server port: the engine core, where the plugin advertises from, does not know it."""
 
