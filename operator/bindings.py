@@ -22,6 +22,21 @@ from . import api, metrics, names
 
 DinfResource = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
 
+
+async def live_cr(client: AsyncClient, namespace: str, name: str) -> Any | None:
+    """The CR as the apiserver has it now, or None when it is gone or being deleted. Asks the apiserver, not a
+    watch index: an index can lag a creation as well as a deletion."""
+    try:
+        obj = await client.get(DinfResource, name, namespace=namespace)
+    except ApiError as e:
+        if e.status.code == 404:
+            return None
+        raise
+    # metadata is optional in lightkube's model; an object without it is not being deleted.
+    if obj.metadata is not None and obj.metadata.deletionTimestamp is not None:
+        return None
+    return obj
+
 Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
 
 
@@ -98,14 +113,9 @@ class BindingCollector:
         return namespace, name
 
     async def needs_binding(self, namespace: str, name: str) -> bool:
-        """Ask the apiserver (an index can lag a creation as well as a deletion)."""
-        try:
-            obj = await self.client.get(DinfResource, name, namespace=namespace)
-        except ApiError as e:
-            if e.status.code == 404:
-                return False
-            raise
-        if obj.metadata is not None and obj.metadata.deletionTimestamp is not None:
+        """Whether a live CR asks for `auth: kubernetes` (see `live_cr`)."""
+        obj = await live_cr(self.client, namespace, name)
+        if obj is None:
             return False
         # Only the field that decides, parsed by its model: an object stored before the field existed reads as the
         # model's (and the CRD's) default, kubernetes.

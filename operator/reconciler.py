@@ -24,7 +24,7 @@ from lightkube.resources.core_v1 import Secret
 from lightkube.types import PatchType
 
 from . import api, metrics, names
-from .bindings import BindingCollector, DinfResource
+from .bindings import BindingCollector, DinfResource, live_cr
 from .builders import OperatorImages, build_children, endpoint_url
 from .meta import cr_name as meta_name
 from .meta import namespace_of as meta_namespace
@@ -210,14 +210,7 @@ class Reconciler:
 
     async def exists(self, namespace: str, name: str) -> bool:
         """Ask the apiserver, not the watch cache: a deletion may not have reached our index yet."""
-        try:
-            obj = await self.client.get(DinfResource, name, namespace=namespace)
-        except ApiError as e:
-            if e.status.code == 404:
-                return False
-            raise
-        # metadata is optional in lightkube's model; an object without it is not being deleted.
-        return obj.metadata is None or obj.metadata.deletionTimestamp is None
+        return await live_cr(self.client, namespace, name) is not None
 
     def is_own_echo(self, kind: str, body: Mapping[str, Any]) -> bool:
         """Whether a watch event on a child shows exactly what our last apply of it produced."""
