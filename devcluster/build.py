@@ -21,6 +21,12 @@ KUBE_VERSION = "v1.36.3"
 KWOK_VERSION = "v0.8.0"
 HELM_VERSION = "v3.21.4"
 ETCD_VERSION = "v3.6.8"  # whatever k8s.io/kubernetes requires; see gobuild/go.mod
+# The real node's parts (devcluster/node): container runtime, OCI runtime, CNI plugins, DNS, image builder.
+CONTAINERD_VERSION = "v2.4.2"
+RUNC_VERSION = "v1.5.3"
+CNI_PLUGINS_VERSION = "v1.10.0"
+COREDNS_VERSION = "v1.15.0"
+BUILDKIT_VERSION = "v0.34.2"
 
 GOBUILD_DIR = Path(__file__).resolve().parent / "gobuild"
 
@@ -61,6 +67,7 @@ class Binary:
     ldflags: str = "-s -w"
     in_wrapper: bool = True  # built inside gobuild/ (shares its module graph) or via `go install pkg@ver`
     cgo: bool = False
+    tags: str = ""
     inputs: tuple[str, ...] = field(default=())
 
 
@@ -74,6 +81,32 @@ def binaries() -> list[Binary]:
         Binary("etcd", "./cmd/etcd", f"-s -w -X go.etcd.io/etcd/api/v3/version.GitSHA={ETCD_VERSION}"),
         Binary("kwok", f"sigs.k8s.io/kwok/cmd/kwok@{KWOK_VERSION}", in_wrapper=False),
         Binary("helm", f"helm.sh/helm/v3/cmd/helm@{HELM_VERSION}", _helm_ldflags(), in_wrapper=False),
+        *node_binaries(),
+    ]
+
+
+def node_binaries() -> list[Binary]:
+    """What the real node runs. The containerd shim must sit on containerd's PATH (the bin directory);
+    runc needs cgo and the seccomp tag (libseccomp-dev), or every container with a seccomp profile fails."""
+    kube = _kube_ldflags()
+    ctrd = "github.com/containerd/containerd/v2"
+    ctrd_ld = f"-s -w -X {ctrd}/version.Version={CONTAINERD_VERSION}"
+    cni = "github.com/containernetworking/plugins/plugins"
+    return [
+        Binary("kubelet", "k8s.io/kubernetes/cmd/kubelet", kube),
+        Binary("kube-proxy", "k8s.io/kubernetes/cmd/kube-proxy", kube),
+        Binary("containerd", f"{ctrd}/cmd/containerd@{CONTAINERD_VERSION}", ctrd_ld, in_wrapper=False),
+        Binary("ctr", f"{ctrd}/cmd/ctr@{CONTAINERD_VERSION}", ctrd_ld, in_wrapper=False),
+        Binary("containerd-shim-runc-v2", f"{ctrd}/cmd/containerd-shim-runc-v2@{CONTAINERD_VERSION}", ctrd_ld,
+               in_wrapper=False),
+        Binary("runc", f"github.com/opencontainers/runc@{RUNC_VERSION}",
+               f"-s -w -X main.version={RUNC_VERSION.lstrip('v')}", in_wrapper=False, cgo=True, tags="seccomp"),
+        *(Binary(name, f"{cni}/{kind}/{name}@{CNI_PLUGINS_VERSION}", in_wrapper=False)
+          for kind, name in (("main", "bridge"), ("main", "loopback"), ("ipam", "host-local"),
+                             ("meta", "portmap"))),
+        Binary("coredns", f"github.com/coredns/coredns@{COREDNS_VERSION}", in_wrapper=False),
+        Binary("buildkitd", f"github.com/moby/buildkit/cmd/buildkitd@{BUILDKIT_VERSION}", in_wrapper=False),
+        Binary("buildctl", f"github.com/moby/buildkit/cmd/buildctl@{BUILDKIT_VERSION}", in_wrapper=False),
     ]
 
 
@@ -83,7 +116,7 @@ def _go_version() -> str:
 
 def _key(b: Binary, go_version: str) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([b.name, b.package, b.ldflags, b.cgo, go_version]).encode())
+    h.update(json.dumps([b.name, b.package, b.ldflags, b.cgo, b.tags, go_version]).encode())
     if b.in_wrapper:
         for f in sorted(GOBUILD_DIR.rglob("*")):
             if f.is_file():
@@ -128,6 +161,8 @@ def build_one(b: Binary, index: int, total: int, go_version: str) -> None:
     else:
         cmd = ["go", "install", "-v", "-trimpath", "-ldflags", b.ldflags, b.package]
         cwd = cache_dir()
+    if b.tags:
+        cmd[3:3] = ["-tags", b.tags]
     env = _env(b)
     if not b.in_wrapper:
         env["GOBIN"] = str(bin_dir())

@@ -1,6 +1,6 @@
 //go:build tools
 
-// Package tools pins the control-plane commands so `go mod tidy` keeps them in go.sum.
+// Package tools pins the control-plane and node commands so `go mod tidy` keeps them in go.sum.
 package tools
 
 import (
@@ -8,4 +8,6 @@ import (
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
 	_ "k8s.io/kubernetes/cmd/kubectl"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )
