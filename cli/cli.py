@@ -14,7 +14,7 @@ def _cluster(args: argparse.Namespace) -> None:
         return
     build.ensure_built(quiet=True)
     spec = fleet.FleetSpec.parse(args.fleet) if args.fleet else fleet.FleetSpec()
-    c = cluster.LocalCluster(cluster.ClusterConfig(name=args.name, fleet=spec))
+    c = cluster.LocalCluster(cluster.ClusterConfig(name=args.name, fleet=spec, real_node=args.real_node))
     c.start(progress=lambda m: print(m, flush=True))
     print(f"export KUBECONFIG={c.kubeconfig}\nCtrl-C stops the cluster.", flush=True)
     try:
@@ -28,7 +28,7 @@ def _cluster(args: argparse.Namespace) -> None:
 def _demo(args: argparse.Namespace) -> None:
     from disagg.devcluster import demo
 
-    demo.run(keep=args.keep, engines=args.engines)
+    demo.run(keep=args.keep, engines=args.engines, local=args.local)
 
 
 def _render(args: argparse.Namespace) -> None:
@@ -93,12 +93,17 @@ def parser() -> argparse.ArgumentParser:
     u = csub.add_parser("up", help="start a local cluster in the foreground")
     u.add_argument("--name", default="disagg")
     u.add_argument("--fleet", help="node counts, e.g. p5en=4,trn2=2,trn1=1,m7i=2 (default) or p5en=200")
+    u.add_argument("--no-real-node", dest="real_node", action="store_false",
+                   help="only kwok's simulated nodes: no kubelet, containerd, CNI, kube-proxy or CoreDNS on this "
+                        "host (which needs root), so no pod runs")
     c.set_defaults(func=_cluster)
 
     d = sub.add_parser("demo", help="bring up the local cluster and real engines and show the product working")
     d.add_argument("--keep", action="store_true", help="leave the cluster running until Ctrl-C")
     d.add_argument("--no-engines", dest="engines", action="store_false",
                    help="skip the real vLLM engines (push and pull through the router): the control plane only")
+    d.add_argument("--local", action="store_true",
+                   help="run the engines as local processes after the cluster stops, not as pods on the real node")
     d.set_defaults(func=_demo)
 
     from disagg.operator import run as operator_run

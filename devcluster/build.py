@@ -29,6 +29,7 @@ COREDNS_VERSION = "v1.15.0"
 BUILDKIT_VERSION = "v0.34.2"
 
 GOBUILD_DIR = Path(__file__).resolve().parent / "gobuild"
+BUILDKIT_DIR = Path(__file__).resolve().parent / "gobuild-buildkit"
 
 
 def cache_dir() -> Path:
@@ -65,8 +66,9 @@ class Binary:
     name: str
     package: str  # import path, or path@version for `go install`
     ldflags: str = "-s -w"
-    in_wrapper: bool = True  # built inside gobuild/ (shares its module graph) or via `go install pkg@ver`
+    in_wrapper: bool = True  # built inside a wrapper module (shares its module graph) or via `go install pkg@ver`
     cgo: bool = False
+    wrapper: Path = GOBUILD_DIR
     tags: str = ""
     inputs: tuple[str, ...] = field(default=())
 
@@ -105,8 +107,9 @@ def node_binaries() -> list[Binary]:
           for kind, name in (("main", "bridge"), ("main", "loopback"), ("ipam", "host-local"),
                              ("meta", "portmap"))),
         Binary("coredns", f"github.com/coredns/coredns@{COREDNS_VERSION}", in_wrapper=False),
-        Binary("buildkitd", f"github.com/moby/buildkit/cmd/buildkitd@{BUILDKIT_VERSION}", in_wrapper=False),
-        Binary("buildctl", f"github.com/moby/buildkit/cmd/buildctl@{BUILDKIT_VERSION}", in_wrapper=False),
+        # In a wrapper module of its own: BuildKit's go.mod has excludes, which `go install pkg@version` refuses.
+        Binary("buildkitd", "github.com/moby/buildkit/cmd/buildkitd", wrapper=BUILDKIT_DIR),
+        Binary("buildctl", "github.com/moby/buildkit/cmd/buildctl", wrapper=BUILDKIT_DIR),
     ]
 
 
@@ -118,9 +121,9 @@ def _key(b: Binary, go_version: str) -> str:
     h = hashlib.sha256()
     h.update(json.dumps([b.name, b.package, b.ldflags, b.cgo, b.tags, go_version]).encode())
     if b.in_wrapper:
-        for f in sorted(GOBUILD_DIR.rglob("*")):
+        for f in sorted(b.wrapper.rglob("*")):
             if f.is_file():
-                h.update(f.relative_to(GOBUILD_DIR).as_posix().encode())
+                h.update(f.relative_to(b.wrapper).as_posix().encode())
                 h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -143,7 +146,7 @@ def _env(b: Binary) -> dict[str, str]:
 def _count_deps(b: Binary) -> int:
     """How many packages the binary needs, stdlib included (-trimpath rebuilds it): the progress denominator."""
     if b.in_wrapper:
-        cmd, cwd = ["go", "list", "-deps", "-f", "x", b.package], GOBUILD_DIR
+        cmd, cwd = ["go", "list", "-deps", "-f", "x", b.package], b.wrapper
     else:
         # `go list` cannot take pkg@version; the count is only for progress, so estimate after download.
         return 0
@@ -157,7 +160,7 @@ def build_one(b: Binary, index: int, total: int, go_version: str) -> None:
     needed = _count_deps(b)
     if b.in_wrapper:
         cmd = ["go", "build", "-v", "-trimpath", "-ldflags", b.ldflags, "-o", str(out), b.package]
-        cwd = GOBUILD_DIR
+        cwd = b.wrapper
     else:
         cmd = ["go", "install", "-v", "-trimpath", "-ldflags", b.ldflags, b.package]
         cwd = cache_dir()

@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import yaml
 from lightkube import Client, KubeConfig, codecs
@@ -28,7 +28,10 @@ from lightkube.resources.core_v1 import Node
 
 from . import build
 from .fleet import FleetSpec, build_nodes
-from .pki import SERVICE_CIDR, Credentials, ensure_credentials
+from .pki import SERVICE_CIDR, Credentials, KeyPair, ensure_credentials, issue
+
+if TYPE_CHECKING:
+    from .node.node import NodeSpec, RealNode
 
 STAGES_FILE = Path(__file__).resolve().parent / "kwok-stages.yaml"
 
@@ -50,6 +53,18 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def host_address() -> str:
+    """The address of the interface the default route leaves by: where a real node's pods reach the apiserver
+    (a UDP connect only picks the route; nothing is sent). 127.0.0.1 on a host without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.254", 9))  # TEST-NET-1: any routable address picks the default route
+        except OSError:
+            return "127.0.0.1"
+        address: str = s.getsockname()[0]
+        return address
 
 
 def die_with_parent() -> None:
@@ -102,6 +117,8 @@ class ClusterConfig:
     startup_timeout: float = 120.0
     # Write an apiserver audit log (metadata level) to logs/audit.log: benchmarks count requests with it.
     audit: bool = False
+    # Also run a real node (devcluster/node): kubelet, containerd, CNI, kube-proxy and CoreDNS on this host.
+    real_node: bool = False
 
 
 class LocalCluster:
@@ -113,6 +130,8 @@ class LocalCluster:
         self.kubeconfig = self.dir / "kubeconfig"
         self.creds: Credentials | None = None
         self.server = ""
+        self.host_ip = host_address()
+        self.node: RealNode | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] = lambda _m: None) -> LocalCluster:
@@ -124,7 +143,7 @@ class LocalCluster:
         if self.dir.exists():
             shutil.rmtree(self.dir)
         (self.dir / "logs").mkdir(parents=True)
-        self.creds = ensure_credentials(self.dir / "pki")
+        self.creds = ensure_credentials(self.dir / "pki", extra_ips=(self.host_ip,))
         t0 = time.monotonic()
         try:
             self._start_etcd(progress)
@@ -132,6 +151,8 @@ class LocalCluster:
             self._write_kubeconfig()
             self._start_controllers(progress)
             self._create_fleet(progress)
+            if self.config.real_node:
+                self.add_real_node(progress=progress)
         except BaseException:
             self.stop()
             raise
@@ -145,7 +166,20 @@ class LocalCluster:
             raise RuntimeError(f"cluster {self.config.name} is not started")
         popen.wait()
 
+    def add_real_node(self, spec: NodeSpec | None = None,
+                      progress: Callable[[str], None] = lambda _m: None) -> RealNode:
+        """Start a real node next to the kwok fleet (one per host); it stops with the cluster."""
+        from .node.node import RealNode, default_spec
+
+        if self.node is None:
+            self.node = RealNode(self, spec or default_spec()).start(progress)
+        return self.node
+
     def stop(self) -> None:
+        if self.node is not None:
+            for problem in self.node.stop():
+                print(f"real node: could not restore {problem}", flush=True)
+            self.node = None
         for p in reversed(self.processes):
             p.stop()
         self.processes.clear()
@@ -155,6 +189,12 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @property
+    def credentials(self) -> Credentials:
+        if self.creds is None:
+            raise RuntimeError(f"cluster {self.config.name} is not started")
+        return self.creds
 
     @property
     def pids(self) -> list[int]:
@@ -217,12 +257,19 @@ class LocalCluster:
         self.server = f"https://127.0.0.1:{port}"
         progress(f"starting kube-apiserver on {self.server}")
         c = self.creds
+        kubelet_client = self._kubelet_client_pair()
         p = self._spawn("kube-apiserver", [
             str(self.bin / "kube-apiserver"),
-            f"--etcd-servers={self.etcd_url}", f"--secure-port={port}", "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1", f"--tls-cert-file={c.serving_cert}",
+            # On every address, advertising the host's: a real node's pods reach it through the `kubernetes`
+            # Service, whose endpoint is the advertised address.
+            f"--etcd-servers={self.etcd_url}", f"--secure-port={port}", "--bind-address=0.0.0.0",
+            f"--advertise-address={self.host_ip}", f"--tls-cert-file={c.serving_cert}",
             f"--tls-private-key-file={c.serving_key}", f"--client-ca-file={c.ca_cert}",
-            f"--token-auth-file={c.token_file}", "--authorization-mode=RBAC",
+            f"--token-auth-file={c.token_file}", "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            # How it calls kubelets (logs, exec, port-forward), as kubeadm sets it up.
+            f"--kubelet-client-certificate={kubelet_client.cert}", f"--kubelet-client-key={kubelet_client.key}",
+            f"--kubelet-certificate-authority={c.ca_cert}", "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={c.sa_pub}", f"--service-account-signing-key-file={c.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
@@ -233,6 +280,9 @@ class LocalCluster:
             *self._audit_flags(),
         ])
         self._await(p, lambda: self._get(f"{self.server}/readyz", c.admin_token, self._tls()) == b"ok", "ready")
+
+    def _kubelet_client_pair(self) -> KeyPair:
+        return issue(self.credentials, "apiserver-kubelet-client", "kube-apiserver-kubelet-client")
 
     @property
     def audit_log(self) -> Path:

@@ -1,5 +1,7 @@
 """Credentials for the local control plane: a CA, the apiserver serving certificate, the ServiceAccount
-signing key, and an admin bearer token. Generated once per cluster directory."""
+signing key, and an admin bearer token. Generated once per cluster directory. `issue` adds the certificates a
+real node needs (its kubelet's client and serving pairs, the apiserver's kubelet client, kube-proxy, CoreDNS),
+signed by the same CA, as kubeadm does."""
 from __future__ import annotations
 
 import datetime as dt
@@ -69,7 +71,49 @@ def _write_key(path: Path, key: PrivateKeyTypes) -> None:
     path.chmod(0o600)
 
 
-def ensure_credentials(directory: Path) -> Credentials:
+@dataclass(frozen=True)
+class KeyPair:
+    cert: Path
+    key: Path
+
+
+def _load_ca(creds: Credentials) -> tuple[x509.Certificate, PrivateKeyTypes]:
+    cert = x509.load_pem_x509_certificate(creds.ca_cert.read_bytes())
+    key = serialization.load_pem_private_key(creds.ca_key.read_bytes(), password=None)
+    return cert, key
+
+
+def issue(creds: Credentials, name: str, common_name: str, organizations: tuple[str, ...] = (),
+          *, client: bool = True, dns_names: tuple[str, ...] = (), ips: tuple[str, ...] = ()) -> KeyPair:
+    """A key pair `<name>.crt/.key` beside the CA, signed by it. Kubernetes reads the identity from the subject:
+    CN is the user, each O a group (system:node:<n> in system:nodes is a Node-authorized kubelet). With SANs it
+    is also a serving certificate."""
+    pair = KeyPair(creds.dir / f"{name}.crt", creds.dir / f"{name}.key")
+    ca_cert, ca_key = _load_ca(creds)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+                         *(x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in organizations)])
+    usages = [x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH] if client else []
+    builder = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=365))
+    )
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+    sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in ips]
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        usages.append(x509.oid.ExtendedKeyUsageOID.SERVER_AUTH)
+    cert = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False).sign(ca_key, hashes.SHA256())
+    _write_key(pair.key, key)
+    pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return pair
+
+
+def ensure_credentials(directory: Path, extra_ips: tuple[str, ...] = ()) -> Credentials:
+    """`extra_ips`: more addresses the apiserver answers on (a real node's pods reach it on the host's IP)."""
     creds = Credentials(directory)
     if creds.token_file.exists():
         return creds
@@ -95,7 +139,7 @@ def ensure_credentials(directory: Path) -> Credentials:
     sans: list[x509.GeneralName] = [
         x509.DNSName(n) for n in ("localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
                                   "kubernetes.default.svc.cluster.local")]
-    sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", KUBERNETES_SERVICE_IP)]
+    sans += [x509.IPAddress(ipaddress.ip_address(a)) for a in ("127.0.0.1", KUBERNETES_SERVICE_IP, *extra_ips)]
     srv_cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))

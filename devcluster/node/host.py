@@ -1,0 +1,181 @@
+"""What a real node changes on the host, captured before it starts and put back when it stops.
+
+A node changes sysctls (the kubelet sets kernel.panic, panic_on_oops and vm.overcommit_memory; kube-proxy
+route_localnet; pods need ip_forward), iptables (kube-proxy's and the kubelet's chains, CNI's NAT chains), the
+`cni0` bridge, the kubepods cgroups, mounts (pod network namespaces, container root filesystems, the kubelet's
+own bind mount) and a few fixed paths. The snapshot is written to disk before anything changes, so a run that
+was killed is restored by the next one (`recover`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SYSCTLS = ("net.ipv4.ip_forward", "kernel.panic", "kernel.panic_on_oops", "vm.overcommit_memory",
+           "net.ipv4.conf.all.route_localnet")
+# Paths outside the node's directory that the kubelet, containerd or CNI create whatever they are told.
+FIXED_PATHS = ("/var/lib/kubelet", "/var/log/containers", "/var/log/pods", "/run/containerd", "/run/netns",
+               "/var/run/netns", "/var/lib/cni", "/etc/cni", "/opt/cni")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+IPTABLES = (("iptables-save", "iptables-restore", "iptables"), ("ip6tables-save", "ip6tables-restore", "ip6tables"))
+TABLES = ("filter", "nat", "mangle", "raw")
+
+
+def _sysctl_path(name: str) -> Path:
+    return Path("/proc/sys") / name.replace(".", "/")
+
+
+def read_sysctl(name: str) -> str:
+    return _sysctl_path(name).read_text().strip()
+
+
+def write_sysctl(name: str, value: str) -> None:
+    _sysctl_path(name).write_text(value + "\n")
+
+
+def _run(argv: list[str], stdin: str | None = None) -> str:
+    return subprocess.run(argv, input=stdin, capture_output=True, text=True, check=True).stdout
+
+
+def _cgroup_dirs() -> list[Path]:
+    """kubepods under every cgroup v1 controller and the unified hierarchy."""
+    return [d / "kubepods" for d in CGROUP_ROOT.iterdir() if d.is_dir() and not d.is_symlink()] + \
+        [CGROUP_ROOT / "kubepods"]
+
+
+@dataclass
+class HostSnapshot:
+    node_dir: str
+    sysctls: dict[str, str] = field(default_factory=dict)
+    iptables: dict[str, str] = field(default_factory=dict)  # save command -> its output
+    absent_paths: list[str] = field(default_factory=list)
+    had_cni0: bool = False
+    absent_cgroups: list[str] = field(default_factory=list)
+
+    @classmethod
+    def capture(cls, node_dir: Path) -> HostSnapshot:
+        return cls(
+            node_dir=str(node_dir),
+            sysctls={s: read_sysctl(s) for s in SYSCTLS},
+            iptables={save: _run([save]) for save, _, _ in IPTABLES if shutil.which(save)},
+            absent_paths=[p for p in FIXED_PATHS if not os.path.lexists(p)],
+            had_cni0=Path("/sys/class/net/cni0").exists(),
+            absent_cgroups=[str(d) for d in _cgroup_dirs() if not d.exists()],
+        )
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> HostSnapshot:
+        return cls(**json.loads(path.read_text()))
+
+    def restore(self) -> list[str]:
+        """Put everything back; return what could not be (each a line naming the setting and the error)."""
+        problems: list[str] = []
+        kill_pod_processes(self.absent_cgroups)
+        roots = [self.node_dir, *self.absent_paths]
+        for target in mounts_under(roots):
+            r = subprocess.run(["umount", "-l", target], capture_output=True, text=True)
+            if r.returncode != 0 and Path(target).exists():
+                problems.append(f"umount {target}: {r.stderr.strip()}")
+        for save, restore, binary in IPTABLES:
+            if save in self.iptables:
+                problems += _restore_iptables(self.iptables[save], restore, binary)
+        if not self.had_cni0 and Path("/sys/class/net/cni0").exists():
+            r = subprocess.run(["ip", "link", "delete", "cni0"], capture_output=True, text=True)
+            if r.returncode != 0:
+                problems.append(f"ip link delete cni0: {r.stderr.strip()}")
+        for cg in self.absent_cgroups:
+            problems += _remove_cgroup_tree(Path(cg))
+        for p in self.absent_paths:
+            if os.path.lexists(p):
+                shutil.rmtree(p, ignore_errors=True)
+                if os.path.lexists(p):
+                    problems.append(f"remove {p}: still present")
+        for name, value in self.sysctls.items():
+            try:
+                if read_sysctl(name) != value:
+                    write_sysctl(name, value)
+            except OSError as e:
+                problems.append(f"sysctl {name}={value}: {e}")
+        return problems
+
+
+def _restore_iptables(saved: str, restore: str, binary: str) -> list[str]:
+    """Tables in the snapshot are replaced whole by it; tables the node created are flushed and their chains
+    deleted (iptables-restore touches only the tables its input names)."""
+    present = {line[1:].strip() for line in saved.splitlines() if line.startswith("*")}
+    problems = []
+    r = subprocess.run([restore], input=saved, capture_output=True, text=True)
+    if r.returncode != 0:
+        problems.append(f"{restore}: {r.stderr.strip()}")
+    for table in TABLES:
+        if table in present:
+            continue
+        for argv in ([binary, "-t", table, "-F"], [binary, "-t", table, "-X"]):
+            subprocess.run(argv, capture_output=True, text=True)  # absent table: nothing to undo
+    return problems
+
+
+def mounts_under(roots: list[str]) -> list[str]:
+    """Mount points at or below any of `roots`, deepest (latest) first, as umount needs them."""
+    out = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        target = line.split()[4].replace("\\040", " ")
+        if any(target == r or target.startswith(r.rstrip("/") + "/") for r in roots):
+            out.append(target)
+    return list(reversed(out))
+
+
+def kill_pod_processes(cgroups: list[str]) -> None:
+    """SIGKILL every process in the given cgroup trees: containers the kubelet left when it was killed."""
+    for cg in cgroups:
+        root = Path(cg)
+        if not root.exists():
+            continue
+        for procs in root.rglob("cgroup.procs"):
+            try:
+                pids = procs.read_text().split()
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _remove_cgroup_tree(root: Path) -> list[str]:
+    if not root.exists():
+        return []
+    dirs = sorted((d for d in root.rglob("*") if d.is_dir()), key=lambda d: len(d.parts), reverse=True)
+    for d in [*dirs, root]:
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+    return [f"cgroup {root}: still present (processes left in it?)"] if root.exists() else []
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains `text`: the containerd shims of a node directory (they
+    daemonize, so no parent's death reaches them)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if text.encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
