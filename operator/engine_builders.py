@@ -227,7 +227,8 @@ def engine_resources(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[s
 
 def engine_security_context(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[str, Any]:
     # The per-profile choice and its reasons live in profiles.py: NVIDIA needs privileged for fi_mr_reg of GPU
-    # memory over EFA; everything else (Trainium, or no EFA) only pins host memory, which IPC_LOCK allows.
+    # memory over EFA; everything else (Trainium, or no EFA) only pins host memory, which IPC_LOCK allows; CPU
+    # engines (UCX over TCP) pin nothing.
     if spec.profile.privileged and spec.efa_for(role_spec(spec, role_name)) > 0:
         return {"privileged": True}
     if spec.profile.capabilities:
