@@ -14,7 +14,7 @@ from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
 from . import names
-from .profiles import GPU, PROFILES, Profile
+from .profiles import CPU_PROFILE, DEFAULT_CPU_KV_CACHE_GIB, GPU, PROFILES, Profile
 
 GROUP = "serving.disagg.io"
 VERSION = "v1alpha1"
@@ -73,6 +73,8 @@ def _cel_map(values: dict[str, Any]) -> str:
 
 
 def _rank_unit(p: Profile) -> str:
+    if p.cpu_only:
+        return "CPU ranks"
     if p.accelerator_resource == GPU:
         return "GPUs"
     return "logical NeuronCores" if "NEURON_RT_VIRTUAL_CORE_SIZE" in p.env else "NeuronCores"
@@ -83,7 +85,8 @@ def _rank_unit(p: Profile) -> str:
 _RANKS_PER_NODE = _cel_map({n: p.ranks_per_node for n, p in PROFILES.items()})
 _RANK_UNIT = _cel_map({n: _rank_unit(p) for n, p in PROFILES.items()})
 _EFA_PER_NODE = _cel_map({n: p.efa_per_node for n, p in PROFILES.items()})
-_INSTANCE_TYPE = _cel_map({n: p.instance_type for n, p in PROFILES.items()})
+_INSTANCE_TYPE = _cel_map({n: p.instance_type for n, p in PROFILES.items() if p.instance_type is not None})
+_CPU = f"'{CPU_PROFILE}'"
 BLOCK_SIZES = [2 ** i for i in range(13)]  # 1 .. 4096
 
 
@@ -230,18 +233,33 @@ class AcceleratorSpec(Model):
              message_expression=_fmt("must be 'auto', 'off' or a non-negative count of EFA devices per pod; got %s",
                                      "type(self.efa) == int ? string(self.efa) : \"'\" + string(self.efa) + \"'\""),
              field_path=".efa"),
-        _cel(f"type(self.efa) != int || self.efa <= {_EFA_PER_NODE}[self.profile]",
+        _cel(f"type(self.efa) != int || self.profile == {_CPU} || self.efa <= {_EFA_PER_NODE}[self.profile]",
              message_expression=_fmt("%s EFA devices per pod exceed the %d of one %s node (profile %s)",
                                      "string(self.efa)", f"{_EFA_PER_NODE}[self.profile]",
                                      f"{_INSTANCE_TYPE}[self.profile]", "self.profile"),
              field_path=".efa"),
+        _cel(f"self.profile != {_CPU} || type(self.efa) != int",
+             message_expression=_fmt("the cpu profile has no EFA (KV moves over TCP with UCX): set efa to auto or "
+                                     "off, or leave it unset; got %s", "string(self.efa)"),
+             field_path=".efa"),
+        _cel(f"!has(self.kvCacheGiB) || self.profile == {_CPU}",
+             message_expression=_fmt("only the cpu profile keeps its KV cache in host memory "
+                                     "(VLLM_CPU_KVCACHE_SPACE); profile %s sizes it from accelerator memory: remove "
+                                     "kvCacheGiB", "self.profile"),
+             field_path=".kvCacheGiB"),
     ))
     profile: Literal[tuple(PROFILES)]  # type: ignore[valid-type]
-    """Accelerator profile: nvidia-h200 (p5en.48xlarge), nvidia-h100 (p5.48xlarge), trainium2 (trn2.48xlarge)
-    or trainium1 (trn1.32xlarge)."""
+    """Accelerator profile: nvidia-h200 (p5en.48xlarge), nvidia-h100 (p5.48xlarge), trainium2 (trn2.48xlarge),
+    trainium1 (trn1.32xlarge), or cpu: vLLM's CPU build on any node labelled
+    serving.disagg.io/cpu-engines=true (it tolerates the taint serving.disagg.io/cpu-engines=true:NoSchedule,
+    and so do the router and rendezvous), one rank per engine pod, KV over TCP with UCX."""
     efa: EfaSetting = Field(default="auto", json_schema_extra={"x-kubernetes-int-or-string": True})
-    """EFA devices per engine pod: `auto` (in proportion to the accelerators the pod uses; p5en: 2 per GPU),
-    `off` (TCP only; for tests), or an explicit count."""
+    """EFA devices per engine pod: `auto` (in proportion to the accelerators the pod uses; p5en: 2 per GPU;
+    none with the cpu profile), `off` (TCP only; for tests), or an explicit count (not with the cpu profile)."""
+    kv_cache_gib: int | None = Field(default=None, ge=1, le=4096, alias="kvCacheGiB")
+    """cpu profile only: GiB of host memory for each engine's KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE).
+    Default 4. The engine's default memory request and limit grow with it (4 GiB for vLLM itself plus
+    this)."""
 
 
 class Toleration(Model):
@@ -286,7 +304,8 @@ class RoleSpec(Model):
     env: list[EnvVar] = Field(default_factory=list)
     """Extra environment variables for this role."""
     node_selector: dict[str, str] = Field(default_factory=dict)
-    """Merged over the profile's instance-type selector."""
+    """Merged over the profile's node selector (the instance type; the cpu profile:
+    serving.disagg.io/cpu-engines=true)."""
     tolerations: list[Toleration] = Field(default_factory=list)
     """Added to the profile's tolerations."""
     affinity: dict[str, Any] | None = Field(default=None,
@@ -331,7 +350,8 @@ class PlacementSpec(Model):
     """Where engine pods go relative to each other."""
 
     same_zone: bool = True
-    """Keep prefill and decode in one availability zone (EFA does not cross zones)."""
+    """Keep prefill and decode in one availability zone (EFA does not cross zones). The cpu profile ignores it:
+    its engines talk TCP, and kind or minikube nodes have no zone label to match."""
     spread_across_nodes: bool = True
     """Prefer spreading a role's replicas over distinct nodes."""
     prefer_network_layer: bool = True
@@ -346,12 +366,26 @@ def _ranks_rule(role: str) -> dict[str, str]:
     profile = "self.accelerator.profile"
     cap = f"{_RANKS_PER_NODE}[{profile}]"
     return _cel(
-        f"{tp} * {pp} * {dp} <= {cap}",
+        f"{profile} == {_CPU} || {tp} * {pp} * {dp} <= {cap}",
         message_expression=_fmt(
             f"%d {role} ranks (tensorParallelSize %d * pipelineParallelSize %d * dataParallelSize %d) do not fit "
             "one %s node (profile %s), which has %d %s; multi-node tensor/pipeline parallelism is not supported yet",
             f"{tp} * {pp} * {dp}", tp, pp, dp, f"{_INSTANCE_TYPE}[{profile}]", profile, cap,
             f"{_RANK_UNIT}[{profile}]"),
+        field_path=f".{role}.tensorParallelSize")
+
+
+def _cpu_ranks_rule(role: str) -> dict[str, str]:
+    # The launch script binds the engine to the container's cores as one rank; splitting them between ranks
+    # (vLLM's `|`-separated binding) is not done.
+    tp, pp, dp = (f"self.{role}.tensorParallelSize", f"self.{role}.pipelineParallelSize",
+                  f"self.{role}.dataParallelSize")
+    return _cel(
+        f"self.accelerator.profile != {_CPU} || {tp} * {pp} * {dp} == 1",
+        message_expression=_fmt(
+            f"the cpu profile runs one rank per engine pod, but {role} has %d (tensorParallelSize %d * "
+            "pipelineParallelSize %d * dataParallelSize %d); scale out with replicas instead",
+            f"{tp} * {pp} * {dp}", tp, pp, dp),
         field_path=f".{role}.tensorParallelSize")
 
 
@@ -361,6 +395,8 @@ class DisaggregatedInferenceSpec(Model):
     model_config = ConfigDict(json_schema_extra=_validations(
         _ranks_rule("prefill"),
         _ranks_rule("decode"),
+        _cpu_ranks_rule("prefill"),
+        _cpu_ranks_rule("decode"),
         _cel("self.prefill.tensorParallelSize <= self.decode.tensorParallelSize",
              message_expression=_fmt("%d exceeds spec.decode.tensorParallelSize %d; vLLM's NIXL connector needs decode "
                                      "TP >= prefill TP",
@@ -376,10 +412,15 @@ class DisaggregatedInferenceSpec(Model):
              "push mode does not support pipeline parallelism on decode; set spec.kvTransfer.mode: pull or "
              "pipelineParallelSize: 1",
              field_path=".decode.pipelineParallelSize"),
-        _cel("!has(self.kvTransfer.backend) || self.kvTransfer.backend != 'LIBFABRIC' || "
+        _cel(f"!has(self.kvTransfer.backend) || self.kvTransfer.backend != 'LIBFABRIC' || "
+             f"self.accelerator.profile == {_CPU} || "
              "(type(self.accelerator.efa) == int ? self.accelerator.efa > 0 : self.accelerator.efa != 'off')",
              "LIBFABRIC needs EFA, but spec.accelerator.efa turns it off; set efa to auto or a count, or use "
              "backend UCX", field_path=".kvTransfer.backend"),
+        _cel(f"self.accelerator.profile != {_CPU} || !has(self.kvTransfer.backend) || "
+             "self.kvTransfer.backend != 'LIBFABRIC'",
+             "LIBFABRIC needs EFA, which the cpu profile has none of: KV moves over TCP with UCX; set "
+             "spec.kvTransfer.backend: UCX or leave it unset", field_path=".kvTransfer.backend"),
     ))
     model: ModelSpec
     """The model to serve."""
@@ -429,6 +470,11 @@ class DisaggregatedInferenceSpec(Model):
     @property
     def backend(self) -> str:
         return self.kv_transfer.backend or ("LIBFABRIC" if self.efa_enabled else "UCX")
+
+    @property
+    def cpu_kv_cache_gib(self) -> int:
+        """The cpu profile's KV cache per engine (VLLM_CPU_KVCACHE_SPACE)."""
+        return self.accelerator.kv_cache_gib or DEFAULT_CPU_KV_CACHE_GIB
 
     @property
     def served_name(self) -> str:

@@ -33,7 +33,6 @@ LAUNCH_HASH_ANNOTATION = "serving.disagg.io/launch-script-hash"
 ZONE_KEY = "topology.kubernetes.io/zone"
 HOST_KEY = "kubernetes.io/hostname"
 NETWORK_LAYER_KEY = "topology.k8s.aws/network-node-layer-3"
-INSTANCE_TYPE_KEY = "node.kubernetes.io/instance-type"
 PROBE_PERIOD = 10
 
 _UNITS = {"Ki": 1, "Mi": 1024, "Gi": 1024 ** 2, "Ti": 1024 ** 3}
@@ -74,6 +73,7 @@ def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str,
     # vLLM's (or its platform's) to resolve, and its engines do not advertise.
     return render_kv_transfer_config(connector=spec.connector, role=role, engine_id=ENGINE_ID_PLACEHOLDER,
                                      backend=spec.backend, use_plugin=spec.uses_plugin,
+                                     buffer_device=spec.profile.kv_buffer_device,
                                      bidirectional=spec.kv_transfer.bidirectional,
                                      push_registration_timeout=spec.kv_transfer.registration_timeout_seconds
                                      if spec.kv_transfer.mode == "push" else None)
@@ -108,7 +108,8 @@ def launch_script(spec: DisaggregatedInferenceSpec, role_name: str) -> str:
     # Half the configured size: catches the 64 MiB container-runtime default (volume missing or overlaid
     # away) without failing on how the kubelet rounds or caps the tmpfs.
     return render_launch_script(role=role_name, args=engine_args(spec, role_name), efa_expected=efa,
-                                hugepages_expected=efa, shm_min_kib=_kib(spec.profile.shm_size) // 2)
+                                hugepages_expected=efa, shm_min_kib=_kib(spec.profile.shm_size) // 2,
+                                bind_allowed_cpus=spec.profile.cpu_only)
 
 
 def launch_configmap(cr: DisaggregatedInference) -> dict[str, Any]:
@@ -154,9 +155,11 @@ def engine_rendezvous_auth_env(cr: DisaggregatedInference) -> dict[str, Any]:
 def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any]]:
     spec, name = cr.spec, cr_name(cr)
     role = role_spec(spec, role_name)
-    env: list[dict[str, Any]] = []
+    env = [_env(k, v) for k, v in spec.profile.engine_env.items()]
     if spec.efa_for(role) > 0:
         env += [_env(k, v) for k, v in spec.profile.env.items()]
+    if spec.profile.cpu_only:
+        env.append(_env("VLLM_CPU_KVCACHE_SPACE", spec.cpu_kv_cache_gib))
     env += [
         _field_env(wire_env.POD_NAME, "metadata.name"),
         _field_env(wire_env.POD_UID, "metadata.uid"),
@@ -188,13 +191,20 @@ def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any
 
 
 def engine_resources(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[str, dict[str, str]]:
-    """Profile defaults (cpu/memory per device, devices, EFA, hugepages), then role.resources per key."""
+    """Profile defaults (cpu/memory per device, devices, EFA, hugepages; cpu profile: plus the KV cache in
+    memory), then role.resources per key."""
     role, profile = role_spec(spec, role_name), spec.profile
     devices = profile.devices_for(ranks_per_pod(role))
-    memory = f"{profile.memory_gi_per_device * devices}Gi"
-    requests = {profile.accelerator_resource: str(devices), "cpu": str(profile.cpu_per_device * devices),
-                "memory": memory}
-    limits = {profile.accelerator_resource: str(devices), "memory": memory}  # no cpu limit: CFS throttling
+    memory_gi = profile.memory_gi_per_device * devices + (spec.cpu_kv_cache_gib if profile.cpu_only else 0)
+    memory, cpu = f"{memory_gi}Gi", str(profile.cpu_per_device * devices)
+    # No cpu limit: CFS throttling. On CPU engines worse still: vLLM runs one OMP thread per core it binds (all
+    # of the shared pool without the static CPU manager) and NIXL's progress thread spins, so a quota would
+    # throttle the model's own threads. A role that sets limits.cpu equal to an integer requests.cpu gets a
+    # Guaranteed pod and, under the static CPU manager, exclusive cores (see plugin_install_resources).
+    requests = {"cpu": cpu, "memory": memory}
+    limits = {"memory": memory}
+    if profile.accelerator_resource is not None:
+        requests[profile.accelerator_resource] = limits[profile.accelerator_resource] = str(devices)
     efa = spec.efa_for(role)
     if efa > 0:
         requests[EFA] = limits[EFA] = str(efa)
@@ -217,10 +227,13 @@ def engine_resources(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[s
 
 def engine_security_context(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[str, Any]:
     # The per-profile choice and its reasons live in profiles.py: NVIDIA needs privileged for fi_mr_reg of GPU
-    # memory over EFA; everything else (Trainium, or no EFA) only pins host memory, which IPC_LOCK allows.
+    # memory over EFA; everything else (Trainium, or no EFA) only pins host memory, which IPC_LOCK allows; CPU
+    # engines (UCX over TCP) pin nothing.
     if spec.profile.privileged and spec.efa_for(role_spec(spec, role_name)) > 0:
         return {"privileged": True}
-    return {"capabilities": {"add": ["IPC_LOCK"]}}
+    if spec.profile.capabilities:
+        return {"capabilities": {"add": list(spec.profile.capabilities)}}
+    return {"allowPrivilegeEscalation": False}
 
 
 def _term(cr: str, components: list[str], topology: str) -> dict[str, Any]:
@@ -233,7 +246,7 @@ def engine_affinity(cr: DisaggregatedInference, role_name: str) -> dict[str, Any
     placement = spec.placement
     other = "decode" if role_name == "prefill" else "prefill"
     affinity: dict[str, Any] = {}
-    if placement.same_zone:
+    if placement.same_zone and spec.profile.same_zone:
         # The term matches this pod's own labels, so the scheduler lets the very first engine land in any zone;
         # every later one (either role) must join it. EFA does not cross zones.
         affinity.setdefault("podAffinity", {})["requiredDuringSchedulingIgnoredDuringExecution"] = [
@@ -285,6 +298,14 @@ def _container_ports(spec: DisaggregatedInferenceSpec, role: RoleSpec) -> list[d
     return ports
 
 
+def plugin_install_resources(spec: DisaggregatedInferenceSpec) -> dict[str, dict[str, str]]:
+    # cpu profile: limits equal to requests, so the init container does not keep the pod out of the Guaranteed
+    # QoS class the static CPU manager needs for exclusive cores (see engine_resources).
+    if spec.profile.cpu_only:
+        return {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": "100m", "memory": "256Mi"}}
+    return {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
+
+
 def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorImages) -> dict[str, Any]:
     spec, name = cr.spec, cr_name(cr)
     role, profile = role_spec(spec, role_name), spec.profile
@@ -313,12 +334,11 @@ def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: Oper
         "image": images.operator,
         "command": ["disagg", "install-plugin", PLUGIN_DIR],
         "volumeMounts": [{"name": PLUGIN_VOLUME, "mountPath": PLUGIN_DIR}],
-        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}},
+        "resources": plugin_install_resources(spec),
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    tolerations = [{"key": key, "operator": "Exists", "effect": effect} for key, effect in profile.tolerations]
-    tolerations += [t.dump() for t in role.tolerations]
+    tolerations = profile.pod_tolerations() + [t.dump() for t in role.tolerations]
     pod_spec: dict[str, Any] = {
         # Service links would inject e.g. VLLM_PORT for a Service named "vllm", which vLLM misreads.
         "enableServiceLinks": False,
@@ -331,7 +351,7 @@ def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: Oper
         # vLLM's drain (--shutdown-timeout) plus time for its processes to exit: the kubelet's SIGKILL must not
         # cut the drain short.
         "terminationGracePeriodSeconds": spec.engine.drain_seconds + DRAIN_EXIT_SECONDS,
-        "nodeSelector": dict(sorted({INSTANCE_TYPE_KEY: profile.instance_type, **role.node_selector}.items())),
+        "nodeSelector": dict(sorted({**profile.node_selector(), **role.node_selector}.items())),
         "tolerations": tolerations,
     }
     affinity = engine_affinity(cr, role_name)

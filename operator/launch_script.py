@@ -48,12 +48,14 @@ def _template() -> jinja2.Template:
 
 
 def render_launch_script(*, role: str, args: Sequence[str], efa_expected: bool, hugepages_expected: bool,
-                         shm_min_kib: int) -> str:
+                         shm_min_kib: int, bind_allowed_cpus: bool = False) -> str:
     """The POSIX sh script that checks the pod's EFA, hugepages, /dev/shm and side-channel env, then runs
-    `python3 -m vllm.entrypoints.openai.api_server <args>`."""
+    `python3 -m vllm.entrypoints.openai.api_server <args>`. `bind_allowed_cpus` (CPU engines): unless the env
+    sets VLLM_CPU_OMP_THREADS_BIND, set it to the cores the container may run on (`Cpus_allowed_list`)."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     if shm_min_kib < 0:
         raise ValueError(f"shm_min_kib must be >= 0, got {shm_min_kib}")
     return _template().render(role=role, arg_lines=_lines(args), efa_expected=bool(efa_expected),
-                              hugepages_expected=bool(hugepages_expected), shm_min_kib=int(shm_min_kib))
+                              hugepages_expected=bool(hugepages_expected), shm_min_kib=int(shm_min_kib),
+                              bind_allowed_cpus=bool(bind_allowed_cpus))

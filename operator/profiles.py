@@ -4,7 +4,9 @@ needs. Data, not logic; the CRD's CEL rules and the pod builders both read it.
 Security choice per profile (documented in the README): NVIDIA profiles run the engine `privileged`, because
 registering GPU memory with the EFA NIC (`fi_mr_reg` over dmabuf/peer-memory) needs more than IPC_LOCK on
 stock EKS AMIs (NVIDIA Dynamo's EFA guide). Trainium profiles use IPC_LOCK only: the Neuron driver exposes
-its devices through the device plugin and libfabric only needs to pin host memory.
+its devices through the device plugin and libfabric only needs to pin host memory. The cpu profile adds no
+capability: UCX over TCP and shared memory pins nothing, and Pod Security `baseline` (kind, minikube, CI
+clusters) refuses IPC_LOCK.
 """
 from __future__ import annotations
 
@@ -13,13 +15,26 @@ from dataclasses import dataclass, field
 GPU = "nvidia.com/gpu"
 NEURON = "aws.amazon.com/neuron"
 EFA = "vpc.amazonaws.com/efa"
+INSTANCE_TYPE_KEY = "node.kubernetes.io/instance-type"
+
+CPU_PROFILE = "cpu"
+CPU_ENGINES_LABEL = "serving.disagg.io/cpu-engines"
+"""Nodes meant for CPU engines carry this label with CPU_ENGINES_VALUE, and the taint
+`serving.disagg.io/cpu-engines=true:NoSchedule` (CPU_ENGINES_TAINT), so that only pods of the cpu profile (its
+engines, router and rendezvous) land there. The dev cluster's real node imports these."""
+CPU_ENGINES_VALUE = "true"
+CPU_ENGINES_TAINT = {"key": CPU_ENGINES_LABEL, "value": CPU_ENGINES_VALUE, "effect": "NoSchedule"}
+DEFAULT_CPU_KV_CACHE_GIB = 4
+"""KV cache per CPU engine (VLLM_CPU_KVCACHE_SPACE, GiB) when spec.accelerator.kvCacheGiB is unset."""
 
 
 @dataclass(frozen=True)
 class Profile:
     name: str
-    instance_type: str
-    accelerator_resource: str
+    # None: not one instance type (the cpu profile selects nodes by label instead).
+    instance_type: str | None
+    # None: no device resource (the cpu profile).
+    accelerator_resource: str | None
     # Parallel ranks one node can host (GPUs, or logical NeuronCores at the default LNC=2 for trn2).
     ranks_per_node: int
     # Ranks served by one device of `accelerator_resource` (1 GPU; 2 NeuronCores per trn1 chip, 4 logical per trn2).
@@ -36,6 +51,26 @@ class Profile:
     memory_gi_per_device: int = 128
     # Startup-probe budget: model load (NVIDIA) or Neuron graph compilation (Trainium, can take hours).
     startup_seconds: int = 1800
+    # Node labels the engines select instead of the instance type.
+    node_labels: tuple[tuple[str, str], ...] = ()
+    # Env every engine of the profile gets (`env` above is the EFA env, set only with EFA).
+    engine_env: dict[str, str] = field(default_factory=dict)
+    capabilities: tuple[str, ...] = ("IPC_LOCK",)
+    # vLLM's `kv_buffer_device`; None leaves vLLM's default (the accelerator).
+    kv_buffer_device: str | None = None
+    # Require prefill and decode in one zone (EFA does not cross zones).
+    same_zone: bool = True
+
+    @property
+    def cpu_only(self) -> bool:
+        """Engines run vLLM's CPU build: no device resource, KV in host memory, pinned to the container's cores."""
+        return self.accelerator_resource is None
+
+    def node_selector(self) -> dict[str, str]:
+        return dict(self.node_labels) if self.node_labels else {INSTANCE_TYPE_KEY: str(self.instance_type)}
+
+    def pod_tolerations(self) -> list[dict[str, str]]:
+        return [{"key": key, "operator": "Exists", "effect": effect} for key, effect in self.tolerations]
 
     def devices_for(self, ranks: int) -> int:
         return -(-ranks // self.ranks_per_device)
@@ -73,5 +108,13 @@ PROFILES: dict[str, Profile] = {
         Profile("trainium1", "trn1.32xlarge", NEURON, 32, 2, 8, False, tolerations=((NEURON, "NoSchedule"),),
                 env={**_EFA_ENV, "FI_EFA_USE_DEVICE_RDMA": "1"},
                 cpu_per_device=6, memory_gi_per_device=24, startup_seconds=7200),
+        # Any node labelled for CPU engines (kind, minikube, a CI cluster). One rank per pod; "device" is the
+        # pod's share: 4 cores and 4 GiB for vLLM itself, plus the KV cache (engine_builders adds it). UCX over
+        # TCP (and shared memory on one node): UCX_TLS from what works for NIXL on CPU engines.
+        Profile(CPU_PROFILE, None, None, 1, 1, 0, False, shm_size="1Gi",
+                tolerations=((CPU_ENGINES_LABEL, CPU_ENGINES_TAINT["effect"]),),
+                node_labels=((CPU_ENGINES_LABEL, CPU_ENGINES_VALUE),), engine_env={"UCX_TLS": "tcp,self,sm"},
+                cpu_per_device=4, memory_gi_per_device=4, capabilities=(), kv_buffer_device="cpu",
+                same_zone=False),
     )
 }

@@ -14,6 +14,16 @@ def endpoint_url(cr: DisaggregatedInference) -> str:
     return names.router_url(cr_name(cr), namespace_of(cr), cr.spec.router.port)
 
 
+def support_pod_placement(cr: DisaggregatedInference) -> dict[str, Any]:
+    """The router's and rendezvous' nodeSelector and tolerations. cpu profile: the engines' own, so they can run
+    on the CPU-engine nodes (on a small cluster those may be the only nodes that run containers). Accelerator
+    profiles: none, so they stay off the tainted accelerator nodes."""
+    profile = cr.spec.profile
+    if not profile.cpu_only:
+        return {}
+    return {"nodeSelector": profile.node_selector(), "tolerations": profile.pod_tolerations()}
+
+
 def _deployment(cr: DisaggregatedInference, component: str, name: str, replicas: int, command: list[str],
                 port: int, image: str, strategy: dict[str, Any], env: list[dict[str, Any]] | None = None,
                 pod_spec: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -39,7 +49,8 @@ def _deployment(cr: DisaggregatedInference, component: str, name: str, replicas:
             "strategy": strategy,
             "selector": {"matchLabels": selector},
             "template": {"metadata": {"labels": names.labels(cr_name(cr), component)},
-                         "spec": {"enableServiceLinks": False, **(pod_spec or {}), "containers": [container]}},
+                         "spec": {"enableServiceLinks": False, **(pod_spec or {}), **support_pod_placement(cr),
+                                  "containers": [container]}},
         },
     }
 

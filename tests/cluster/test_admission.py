@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from lightkube.core.exceptions import ApiError
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace
@@ -145,6 +146,28 @@ REJECTED = [
      "spec.kvTransfer.connector", "NeuronNixlConnector does not do push-mode KV transfer"),
     ("pull-with-push-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NixlPushConnector"},
      "spec.kvTransfer.connector", "NixlPushConnector does not do pull-mode KV transfer (spec.kvTransfer.mode: pull)"),
+    ("cpu-with-libfabric", {"accelerator.profile": "cpu", "kvTransfer.backend": "LIBFABRIC"},
+     "spec.kvTransfer.backend", "LIBFABRIC needs EFA, which the cpu profile has none of: KV moves over TCP with UCX; "
+                                "set spec.kvTransfer.backend: UCX or leave it unset"),
+    ("cpu-with-libfabric-and-efa-off", {"accelerator.profile": "cpu", "accelerator.efa": "off",
+                                        "kvTransfer.backend": "LIBFABRIC"},
+     "spec.kvTransfer.backend", "LIBFABRIC needs EFA, which the cpu profile has none of"),
+    ("cpu-with-efa-count", {"accelerator.profile": "cpu", "accelerator.efa": 2},
+     "spec.accelerator.efa", "the cpu profile has no EFA (KV moves over TCP with UCX): set efa to auto or off, or "
+                             "leave it unset; got 2"),
+    ("cpu-with-efa-0", {"accelerator.profile": "cpu", "accelerator.efa": 0},
+     "spec.accelerator.efa", "the cpu profile has no EFA"),
+    ("kv-cache-on-h200", {"accelerator.kvCacheGiB": 4},
+     "spec.accelerator.kvCacheGiB", "only the cpu profile keeps its KV cache in host memory (VLLM_CPU_KVCACHE_SPACE); "
+                                    "profile nvidia-h200 sizes it from accelerator memory"),
+    ("cpu-kv-cache-0", {"accelerator.profile": "cpu", "accelerator.kvCacheGiB": 0},
+     "spec.accelerator.kvCacheGiB", "should be greater than or equal to 1"),
+    ("cpu-prefill-tp2", {"accelerator.profile": "cpu", "prefill.tensorParallelSize": 2,
+                         "decode.tensorParallelSize": 2},
+     "spec.prefill.tensorParallelSize", "the cpu profile runs one rank per engine pod, but prefill has 2 "
+                                        "(tensorParallelSize 2 * pipelineParallelSize 1 * dataParallelSize 1)"),
+    ("cpu-decode-dp2", {"accelerator.profile": "cpu", "decode.dataParallelSize": 2},
+     "spec.decode.tensorParallelSize", "the cpu profile runs one rank per engine pod, but decode has 2"),
 ]
 
 
@@ -212,6 +235,10 @@ ACCEPTED = [
     ("pull-with-nixl-pull-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NixlPullConnector"}),
     ("pull-with-vendor-connector", {"kvTransfer.mode": "pull", "kvTransfer.connector": "NeuronNixlConnector",
                                     "accelerator.profile": "trainium2"}),
+    ("cpu-defaults", {"accelerator.profile": "cpu"}),
+    ("cpu-kv-cache-ucx-efa-off", {"accelerator.profile": "cpu", "accelerator.kvCacheGiB": 2,
+                                  "accelerator.efa": "off", "kvTransfer.backend": "UCX"}),
+    ("cpu-pull", {"accelerator.profile": "cpu", "accelerator.efa": "auto", "kvTransfer.mode": "pull"}),
 ]
 
 
@@ -223,7 +250,7 @@ def test_apiserver_accepts_valid_specs(cluster, crd_installed, dry_run_namespace
     api.DisaggregatedInferenceSpec.model_validate(created.spec)  # the models agree with the apiserver
 
 
-def test_kubectl_explain_documents_kv_transfer(cluster, crd_installed):
+def test_kubectl_explain_documents_kv_transfer_and_the_cpu_kv_cache(cluster, crd_installed):
     # The apiserver publishes a new CRD's OpenAPI asynchronously after Established; nothing to watch, so poll.
     deadline = time.monotonic() + 30
     while (out := kubectl(cluster, "explain", "dinf.spec.kvTransfer", check=False)).returncode != 0:
@@ -235,6 +262,10 @@ def test_kubectl_explain_documents_kv_transfer(cluster, crd_installed):
     for field in ("mode", "connector", "backend"):
         assert kv["properties"][field]["description"] in text, (field, out.stdout)
     assert "NixlPushConnector" in text and "LIBFABRIC when EFA is in use" in text
+    # Published now: the cpu profile's KV cache field is explained too.
+    text = " ".join(kubectl(cluster, "explain", "dinf.spec.accelerator.kvCacheGiB").stdout.split())
+    field = crdgen.openapi_schema()["properties"]["spec"]["properties"]["accelerator"]["properties"]["kvCacheGiB"]
+    assert field["description"] in text and "VLLM_CPU_KVCACHE_SPACE" in text
 
 
 def test_status_subresource_and_printer_columns(cluster, crd_installed, namespace):
@@ -274,3 +305,23 @@ def test_cr_name_at_the_limit_is_accepted_and_one_past_is_rejected_with_the_limi
         assert err.value.status.code == 422, err.value.status
         assert "metadata.name: " in err.value.status.message and message in err.value.status.message, \
             err.value.status.message
+
+
+def test_a_rejected_cpu_spec_names_only_the_field_at_fault(cluster, crd_installed, dry_run_namespace):
+    """LIBFABRIC with efa off on cpu gets the cpu message, not the generic LIBFABRIC-needs-EFA one as well."""
+    err = rejection(cluster, crd_installed, dry_run_namespace, make_spec({
+        "accelerator.profile": "cpu", "accelerator.efa": "off", "kvTransfer.backend": "LIBFABRIC"}))
+    assert [c.field for c in err.status.details.causes] == ["spec.kvTransfer.backend"], err.status.details.causes
+    assert "spec.accelerator.efa turns it off" not in err.status.message
+
+
+def test_tiny_cpu_example_is_accepted_and_parses_as_stored(cluster, crd_installed, namespace):
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu.yaml").read_text())
+    cluster.client.create(crd_installed(metadata={"name": doc["metadata"]["name"], "namespace": namespace},
+                                        spec=doc["spec"]))
+    stored = cluster.client.get(crd_installed, doc["metadata"]["name"], namespace=namespace).spec
+    assert stored["accelerator"] == {"profile": "cpu", "kvCacheGiB": 1, "efa": "auto"}
+    spec = api.DisaggregatedInferenceSpec.model_validate(stored)
+    assert (spec.profile.name, spec.backend, spec.connector, spec.cpu_kv_cache_gib) == (
+        "cpu", "UCX", api.PUSH_CONNECTOR, 1)
+

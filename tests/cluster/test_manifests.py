@@ -88,7 +88,7 @@ def test_install_base_applies_and_runs_the_operator(cluster, crd_installed, inst
 
 OVERLAYS = {
     "examples": {"qwen3-32b": (1, 1, 4, "Qwen/Qwen3-32B"), "qwen3-32b-2p1d": (2, 1, 4, "Qwen/Qwen3-32B"),
-                 "llama-trn2": (1, 1, 32, "meta-llama/Llama-3.1-8B-Instruct")},
+                 "llama-trn2": (1, 1, 32, "meta-llama/Llama-3.1-8B-Instruct"), "tiny-cpu": (1, 1, 1, "tiny-llama")},
     "overlays/staging": {"qwen3-8b": (1, 1, 1, "Qwen/Qwen3-8B"), "qwen3-32b-2p1d": (1, 1, 4, "Qwen/Qwen3-32B"),
                          "llama-trn2": (1, 1, 32, "meta-llama/Llama-3.1-8B-Instruct")},
     "overlays/production": {"qwen3-32b": (2, 2, 4, "Qwen/Qwen3-32B"), "qwen3-32b-2p1d": (4, 2, 4, "Qwen/Qwen3-32B"),
@@ -136,6 +136,23 @@ def test_render_shows_an_overlays_children_and_they_pass_a_server_dry_run(cluste
     # Rendered without a namespace they target `default`; rebase them on the test namespace for the dry run.
     for c in children:
         c["metadata"]["namespace"] = namespace
+    dry = kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", cluster=cluster,
+                  stdin=yaml.safe_dump_all(children))
+    assert len(applied_lines(dry.stdout, dry_run=True)) == len(children), dry.stdout
+
+
+@pytest.mark.cluster
+def test_the_cpu_examples_children_pass_a_server_dry_run(cluster, crd_installed, namespace):
+    """The cpu profile's pods (no device, unprivileged, cpu-engine selector and toleration) are valid objects."""
+    disagg = Path(sys.executable).parent / "disagg"
+    rendered = subprocess.run([str(disagg), "render", "-f", str(REPO / "manifests" / "examples" / "tiny-cpu.yaml")],
+                              capture_output=True, text=True, check=True, timeout=60).stdout
+    children = docs(rendered)
+    for c in children:
+        c["metadata"]["namespace"] = namespace
+    engines = [c for c in children if c["kind"] == "StatefulSet"]
+    assert len(engines) == 2 and all(
+        c["spec"]["template"]["spec"]["nodeSelector"] == {"serving.disagg.io/cpu-engines": "true"} for c in engines)
     dry = kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", cluster=cluster,
                   stdin=yaml.safe_dump_all(children))
     assert len(applied_lines(dry.stdout, dry_run=True)) == len(children), dry.stdout

@@ -6,11 +6,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lightkube import codecs
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
-from lightkube.resources.core_v1 import ConfigMap, Event, Node, Pod, Service
+from lightkube.resources.core_v1 import ConfigMap, Event, Node, PersistentVolume, Pod, Service
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import PatchType
 
+from disagg.devcluster import fleet
+from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
 from support.dinf import Dinf, cond, create, is_ready, small
 from support.kube import watch_until
 from support.operator import OperatorProcess
@@ -77,6 +80,48 @@ def test_examples_become_ready_on_the_right_nodes(cluster, operator, namespace, 
         limits = pod.spec.containers[0].resources.limits
         assert limits[accel] == per_pod and limits["vpc.amazonaws.com/efa"] == efa
     assert len(zones) == 1, "prefill and decode share one zone: EFA does not cross zones"
+
+
+@pytest.fixture
+def cpu_engine_node(cluster, namespace):
+    """A simulated 16-CPU node labelled and tainted for CPU engines, and the example's model PVC (bound to a
+    hostPath PV kwok never mounts). Its own node, so the taint keeps no other test's pods off the fleet."""
+    t = fleet.CATALOG["m7i.4xlarge"]
+    node = fleet.build_node(t, 0, zone_index=0, global_index=250)
+    name = node["metadata"]["name"] = node["metadata"]["labels"]["kubernetes.io/hostname"] = f"cpu-{namespace}"
+    node["metadata"]["labels"][CPU_ENGINES_LABEL] = CPU_ENGINES_VALUE
+    node["spec"]["taints"] = [CPU_ENGINES_TAINT]
+    c = cluster.client
+    c.create(codecs.from_dict(node))
+    pv_name = f"models-{namespace}"
+    c.create(codecs.from_dict({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
+                               "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                                        "storageClassName": "", "hostPath": {"path": "/tmp/disagg-models"},
+                                        "claimRef": {"namespace": namespace, "name": "disagg-models"}}}))
+    c.create(codecs.from_dict({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                               "metadata": {"name": "disagg-models", "namespace": namespace},
+                               "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv_name,
+                                        "resources": {"requests": {"storage": "1Gi"}}}}))
+    yield name
+    c.delete(Node, name)
+    c.delete(PersistentVolume, pv_name)
+
+
+def test_cpu_example_lands_engines_router_and_rendezvous_on_the_cpu_engine_node(cluster, operator, namespace,
+                                                                                 cpu_engine_node):
+    name = create(cluster, namespace, example("tiny-cpu.yaml"))
+    dinf = watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready")
+    assert dinf.status["backend"] == "UCX"
+    pods = list(cluster.client.list(Pod, namespace=namespace, labels={"app.kubernetes.io/instance": name}))
+    components = sorted(p.metadata.labels["app.kubernetes.io/component"] for p in pods)
+    assert components == ["decode", "prefill", "rendezvous", "router"]
+    # The only node that selects and tolerates: the scheduler put every pod of the CR there.
+    assert {p.spec.nodeName for p in pods} == {cpu_engine_node}
+    for pod in pods:
+        if pod.metadata.labels["app.kubernetes.io/component"] in ("prefill", "decode"):
+            assert "cpu" not in (pod.spec.containers[0].resources.limits or {})
+            assert [v.persistentVolumeClaim.claimName for v in pod.spec.volumes if v.persistentVolumeClaim] == [
+                "disagg-models"]
 
 
 def test_scale_changes_only_replicas_and_spec_change_rolls(cluster, operator, namespace):

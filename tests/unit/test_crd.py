@@ -188,7 +188,10 @@ def test_cel_profile_tables_come_from_profiles():
     for name, p in PROFILES.items():
         assert f"'{name}': {p.ranks_per_node}" in rules
         assert f"'{name}': {p.efa_per_node}" in rules
-        assert f"'{name}': '{p.instance_type}'" in rules
+        if p.instance_type is not None:
+            assert f"'{name}': '{p.instance_type}'" in rules
+    # Only the cpu profile has no instance type (it selects nodes by label); the rules that name one skip it.
+    assert [n for n, p in PROFILES.items() if p.instance_type is None] == ["cpu"]
 
 
 def test_mode_connector_rule_is_generated_from_the_push_connectors_and_admits_the_defaults(schema):
@@ -209,3 +212,26 @@ def test_mode_connector_rule_is_generated_from_the_push_connectors_and_admits_th
     assert all(admitted("pull", c) for c in api.PLUGIN_CONNECTORS - api.PUSH_CONNECTORS)
     assert not admitted("push", "NixlPullConnector") and not admitted("push", "NeuronNixlConnector")
     assert admitted("pull", "NeuronNixlConnector") and not admitted("pull", "NixlPushConnector")
+
+
+def test_cpu_profile_fields_are_documented_from_the_profile_constants(schema):
+    """The descriptions (`kubectl explain`) are docstrings; this keeps them in step with profiles.py."""
+    from disagg.operator.profiles import (
+        CPU_ENGINES_LABEL,
+        CPU_ENGINES_TAINT,
+        CPU_ENGINES_VALUE,
+        DEFAULT_CPU_KV_CACHE_GIB,
+        PROFILES,
+    )
+
+    accelerator = schema["properties"]["spec"]["properties"]["accelerator"]["properties"]
+    kv = accelerator["kvCacheGiB"]
+    # No schema default: it would be stored on every CR and fail the cpu-only rule for accelerator profiles.
+    assert kv["type"] == "integer" and kv["minimum"] == 1 and "default" not in kv
+    assert "VLLM_CPU_KVCACHE_SPACE" in kv["description"] and f"Default {DEFAULT_CPU_KV_CACHE_GIB}." in kv["description"]
+    assert f"{PROFILES['cpu'].memory_gi_per_device} GiB for vLLM itself" in kv["description"]
+    profile = accelerator["profile"]
+    assert "cpu" in profile["enum"]
+    assert f"{CPU_ENGINES_LABEL}={CPU_ENGINES_VALUE}" in profile["description"]
+    assert f"{CPU_ENGINES_LABEL}={CPU_ENGINES_VALUE}:{CPU_ENGINES_TAINT['effect']}" in profile["description"]
+    assert api.AcceleratorSpec.model_validate({"profile": "cpu", "kvCacheGiB": 2}).kv_cache_gib == 2

@@ -9,6 +9,8 @@ import pytest
 from disagg.operator import names
 from disagg.operator.api import DisaggregatedInference
 from disagg.operator.builders import OperatorImages, build_children, engine_args
+from disagg.operator.merge import deep_merge
+from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
 from support.crs import child, engine, env_of, kv_config, make_cr, pod
 
 
@@ -348,3 +350,96 @@ def test_launch_configmap_and_hash_annotation_roll_pods_on_arg_change():
     assert after["metadata"]["annotations"] != before
     assert pod(build_children(make_cr({"decode": {"args": ["--max-num-seqs", "8"]}})), "prefill")[
         "metadata"]["annotations"] == pod(children, "prefill")["metadata"]["annotations"]
+
+
+CPU_SPEC = {"prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}}
+
+
+def cpu_cr(spec: dict[str, Any] | None = None) -> DisaggregatedInference:
+    return make_cr(deep_merge(CPU_SPEC, spec or {}), profile="cpu")
+
+
+def test_cpu_engine_requests_cpu_and_memory_and_no_device_efa_or_hugepages():
+    children = build_children(cpu_cr())
+    for role in ("prefill", "decode"):
+        c = engine(children, role)
+        # 4 GiB for vLLM plus the default 4 GiB KV cache; no cpu limit (CFS throttling).
+        assert c["resources"] == {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"memory": "8Gi"}}
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False}, "not privileged, no capability"
+        env = env_of(c)
+        assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["UCX_TLS"] == "tcp,self,sm"
+        assert not [n for n in env if n.startswith(("FI_", "NEURON_"))] and "LD_LIBRARY_PATH" not in env
+        assert "VLLM_CPU_OMP_THREADS_BIND" not in env, "the launch script binds the container's own cores"
+        dshm = next(v for v in pod(children, role)["spec"]["volumes"] if v["name"] == "dshm")
+        assert dshm["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}
+        assert qos_class(pod(children, role)["spec"]) == "Burstable"
+    config = kv_config(cpu_cr(), "decode")
+    assert config["kv_buffer_device"] == "cpu"
+    assert config["kv_connector_extra_config"]["backends"] == ["UCX"]
+    assert "kv_buffer_device" not in kv_config(make_cr(), "decode"), "accelerators keep vLLM's default"
+    script = child(children, "ConfigMap", "qwen-launch")["data"]["prefill.sh"]
+    assert "fi_info" not in script and "HugePages_Total" not in script and "Cpus_allowed_list" in script
+    assert "Cpus_allowed_list" not in child(build_children(make_cr()), "ConfigMap", "qwen-launch")["data"][
+        "prefill.sh"]
+
+
+def test_cpu_kv_cache_field_sets_the_env_and_grows_the_memory_default():
+    cr = cpu_cr({"accelerator": {"kvCacheGiB": 10}})
+    c = engine(build_children(cr), "prefill")
+    assert env_of(c)["VLLM_CPU_KVCACHE_SPACE"] == "10"
+    assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"] == "14Gi"
+
+
+def qos_class(pod_spec: dict[str, Any]) -> str:
+    """The kubelet's QoS class (init containers count): Guaranteed when every container limits cpu and memory to
+    exactly its requests, which the static CPU manager needs to give a container exclusive cores."""
+    containers = pod_spec["containers"] + pod_spec.get("initContainers", [])
+    if all(c["resources"].get("limits", {}).get(k) is not None and
+           c["resources"]["limits"][k] == c["resources"].get("requests", {}).get(k, c["resources"]["limits"][k])
+           for c in containers for k in ("cpu", "memory")):
+        return "Guaranteed"
+    return "Burstable" if any(c.get("resources") for c in containers) else "BestEffort"
+
+
+def test_cpu_role_resources_and_env_override_the_defaults():
+    cr = cpu_cr({"prefill": {"resources": {"requests": {"cpu": "500m", "memory": "5Gi"}},
+                             "env": [{"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "0"}]},
+                 "decode": {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "2"}}}})
+    children = build_children(cr)
+    prefill = engine(children, "prefill")
+    # Memory's request and limit are paired: a request override moves the limit too.
+    assert prefill["resources"] == {"requests": {"cpu": "500m", "memory": "5Gi"}, "limits": {"memory": "5Gi"}}
+    assert env_of(prefill)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    decode = engine(children, "decode")["resources"]
+    assert decode == {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}
+    # A whole-core cpu limit equal to the request makes the pod Guaranteed (the plugin init container's limits
+    # equal its requests): with the kubelet's static CPU manager, exclusive cores the launch script binds.
+    assert qos_class(pod(children, "decode")["spec"]) == "Guaranteed"
+    assert qos_class(pod(children, "prefill")["spec"]) == "Burstable"
+
+
+def test_cpu_engines_select_the_cpu_engine_nodes_and_tolerate_their_taint():
+    assert (CPU_ENGINES_LABEL, CPU_ENGINES_VALUE) == ("serving.disagg.io/cpu-engines", "true")
+    assert CPU_ENGINES_TAINT == {"key": CPU_ENGINES_LABEL, "value": "true", "effect": "NoSchedule"}
+    cr = cpu_cr({"decode": {"nodeSelector": {"disk": "ssd"}}})
+    children = build_children(cr)
+    for role, selector in (("prefill", {CPU_ENGINES_LABEL: "true"}), ("decode", {CPU_ENGINES_LABEL: "true",
+                                                                                "disk": "ssd"})):
+        spec = pod(children, role)["spec"]
+        assert spec["nodeSelector"] == selector, "no instance type: any node labelled for CPU engines"
+        assert spec["tolerations"] == [{"key": CPU_ENGINES_LABEL, "operator": "Exists", "effect": "NoSchedule"}]
+        # No zone requirement: CPU engines talk TCP, and kind/minikube nodes have no zone label to match.
+        assert "requiredDuringSchedulingIgnoredDuringExecution" not in spec["affinity"].get("podAffinity", {})
+    accel = pod(build_children(make_cr()), "prefill")["spec"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in accel["affinity"]["podAffinity"]
+
+
+def test_cpu_engine_with_a_pvc_model():
+    cr = cpu_cr({"model": {"name": "tiny", "source": {"pvc": {"claimName": "disagg-models", "path": "/tiny"}}}})
+    children = build_children(cr)
+    spec = pod(children, "decode")["spec"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "disagg-models", "readOnly": True}} in \
+        spec["volumes"]
+    args = engine_args(cr.spec, "decode")
+    assert args[args.index("--model") + 1] == "/models/tiny"
+    assert "HF_HOME" not in env_of(engine(children, "decode"))

@@ -62,6 +62,15 @@ class Pod:
     def argv(self) -> list[str]:
         return self.argv_file.read_text().split("\0")[:-1]
 
+    def cpu_bind(self) -> str:
+        """VLLM_CPU_OMP_THREADS_BIND as vLLM saw it ("<unset>" when unset)."""
+        return (self.root / "cpu-bind").read_text()
+
+    def proc_status(self, text: str) -> None:
+        """A fake /proc/self/status for the CPU binding."""
+        (self.root / "status").write_text(text)
+        self.env["DISAGG_PROC_STATUS"] = str(self.root / "status")
+
     def termination_lines(self) -> list[str]:
         return self.termlog.read_text().splitlines()
 
@@ -75,7 +84,9 @@ def fake_pod(tmp_path: Path) -> Pod:
     # Only the basic tools the script needs: a fi_info installed on this machine must not leak in.
     for tool in ("awk", "rm", "cat"):
         os.symlink(shutil.which(tool), bin_dir / tool)
-    python = _exe(bin_dir / "python-stub", f"printf '%s\\0' \"$@\" > '{tmp_path / 'argv'}'\n")
+    # Records its argv, and the CPU binding it was started with.
+    python = _exe(bin_dir / "python-stub", f"printf '%s\\0' \"$@\" > '{tmp_path / 'argv'}'\n"
+                  f"printf '%s' \"${{VLLM_CPU_OMP_THREADS_BIND-<unset>}}\" > '{tmp_path / 'cpu-bind'}'\n")
     env = {
         "PATH": str(bin_dir),
         "DISAGG_TERMINATION_LOG": str(tmp_path / "termination-log"),
@@ -228,7 +239,68 @@ def test_render_rejects_bad_input():
 
 
 def test_rendered_script_is_valid_posix_sh():
-    for efa in (True, False):
-        result = subprocess.run([SH, "-n"], input=script(efa_expected=efa, hugepages_expected=efa),
+    for efa, bind in ((True, False), (False, False), (False, True)):
+        result = subprocess.run([SH, "-n"], input=script(efa_expected=efa, hugepages_expected=efa,
+                                                         bind_allowed_cpus=bind),
                                 capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
+
+
+def cpu_script(role: str = "decode") -> str:
+    """The operator's own script for a cpu-profile engine."""
+    cr = DisaggregatedInference.model_validate({"metadata": {"name": "tiny", "namespace": "ml"}, "spec": {
+        "model": {"name": "tiny"}, "accelerator": {"profile": "cpu"}}})
+    [cm] = [c for c in build_children(cr) if c["kind"] == "ConfigMap"]
+    return str(cm["data"][f"{role}.sh"])
+
+
+STATUS = "Name:\tpython3\nCpus_allowed:\t4c\nCpus_allowed_list:\t2-3,6\nMems_allowed_list:\t0\n"
+
+
+def test_cpu_engine_binds_the_cores_the_container_may_run_on(fake_pod):
+    """What the kubelet's static CPU manager gives a Guaranteed container shows in its Cpus_allowed_list."""
+    fake_pod.proc_status(STATUS)
+    result = fake_pod.run(cpu_script())
+    assert result.returncode == 0, result.stderr
+    assert fake_pod.cpu_bind() == "2-3,6"
+    assert "binding decode engine threads to cores 2-3,6" in result.stderr
+    config = json.loads(fake_pod.argv()[fake_pod.argv().index("--kv-transfer-config") + 1])
+    assert config["kv_buffer_device"] == "cpu" and config["kv_connector_extra_config"]["backends"] == ["UCX"]
+
+
+def test_cpu_engine_binds_this_machines_allowed_cores_from_the_real_proc(fake_pod):
+    result = fake_pod.run(cpu_script())
+    assert result.returncode == 0, result.stderr
+    cores: set[int] = set()
+    for part in fake_pod.cpu_bind().split(","):
+        low, _, high = part.partition("-")
+        cores |= set(range(int(low), int(high or low) + 1))
+    assert cores == os.sched_getaffinity(0)
+
+
+def test_an_explicit_cpu_binding_wins(fake_pod):
+    """A role's env pins the engine itself (the dev node: prefill on core 0, decode on core 1)."""
+    fake_pod.proc_status("Cpus_allowed_list:\t0-1\n")
+    fake_pod.env["VLLM_CPU_OMP_THREADS_BIND"] = "1"
+    result = fake_pod.run(cpu_script())
+    assert result.returncode == 0, result.stderr
+    assert fake_pod.cpu_bind() == "1"
+
+
+@pytest.mark.parametrize("status, shown", [("Name:\tpython3\n", "is ''"),
+                                           ("Cpus_allowed_list:\t0-1; rm -rf /\n", "not a list of cores")])
+def test_cpu_engine_without_a_readable_core_list_fails(fake_pod, status, shown):
+    fake_pod.proc_status(status)
+    assert_failed_with_one_line(fake_pod.run(cpu_script()), fake_pod, "Cpus_allowed_list", shown,
+                                "VLLM_CPU_OMP_THREADS_BIND")
+
+
+def test_missing_proc_status_fails(fake_pod):
+    fake_pod.env["DISAGG_PROC_STATUS"] = str(fake_pod.root / "absent")
+    assert_failed_with_one_line(fake_pod.run(cpu_script()), fake_pod, "cannot bind the CPU engine")
+
+
+def test_accelerator_engines_leave_the_cpu_binding_alone(fake_pod):
+    fake_pod.proc_status(STATUS)
+    assert fake_pod.run(script()).returncode == 0
+    assert fake_pod.cpu_bind() == "<unset>"

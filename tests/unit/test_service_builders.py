@@ -5,6 +5,7 @@ import pytest
 
 from disagg.operator import names
 from disagg.operator.builders import OperatorImages, build_children, endpoint_url
+from disagg.operator.profiles import CPU_ENGINES_LABEL
 from support.crs import UID, child, engine, env_of, make_cr, pod
 
 
@@ -115,3 +116,18 @@ def test_rendezvous_binding_names_are_unambiguous_and_bounded():
 def test_rendezvous_auth_rejects_other_values():
     with pytest.raises(Exception, match="auth"):
         make_cr({"rendezvous": {"auth": "none"}})
+
+
+def test_cpu_profile_router_and_rendezvous_may_run_on_the_cpu_engine_nodes():
+    """On a small cluster the CPU-engine nodes may be the only ones that run containers, so the router and the
+    rendezvous get the engines' node selector and toleration; accelerator profiles keep them off those nodes."""
+    cpu = make_cr({"prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}}, profile="cpu")
+    children = build_children(cpu)
+    engine_spec = pod(children, "prefill")["spec"]
+    for name in ("qwen-router", "qwen-rendezvous"):
+        spec = child(children, "Deployment", name)["spec"]["template"]["spec"]
+        assert spec["nodeSelector"] == {CPU_ENGINES_LABEL: "true"} == engine_spec["nodeSelector"]
+        assert spec["tolerations"] == [{"key": CPU_ENGINES_LABEL, "operator": "Exists", "effect": "NoSchedule"}]
+    for name in ("qwen-router", "qwen-rendezvous"):
+        spec = child(build_children(make_cr()), "Deployment", name)["spec"]["template"]["spec"]
+        assert "nodeSelector" not in spec and "tolerations" not in spec, name
