@@ -17,6 +17,10 @@ from lightkube.resources.core_v1 import Namespace
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/support
 
+# The real-engine fixtures (the vLLM environment, the tiny model, a plain engine's reference outputs) serve both
+# tests/engines and tests/node.
+pytest_plugins = ["support.engine_fixtures"]
+
 # Property tests run on every landing, so by default they are reproducible: derandomized (the same examples on
 # every run, from each test's own seed), no example database, no deadline (2 shared cores make timings noise).
 # HYPOTHESIS_PROFILE=explore searches with fresh random examples, ten times as many, and remembers failures.

@@ -4,12 +4,9 @@ Engines load the disagg connector plugin from a directory made by the real `disa
 engine pod's init container does) and advertise themselves to the rendezvous; nothing registers on their
 behalf.
 
-Invariant: a core runs at most one engine at any time (`TestEngine.start` refuses a second). A vLLM CPU engine
-computes on its pinned core and its NIXL progress thread spins there too, so two engines on one core starve
-each other past any start-up deadline (on a fresh 2-core CI machine four engines at once left a decode
-unhealthy after 240 s). Hence each module owns at most one engine per core and stops them before the next
-module starts its own (module-scoped fixtures), and the session's plain `reference` engine stops before any
-module's engines start (every engine fixture depends on it).
+Each module owns at most one engine per core and stops them before the next module starts its own
+(module-scoped fixtures); the shared fixtures and the one-engine-per-core invariant are in
+support/engine_fixtures.py.
 """
 from __future__ import annotations
 
@@ -17,59 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from disagg.devcluster import tinymodel, vllm_env
-from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, install_plugin
-from support.engines import PROMPTS, Service, chat, completion, post, text_of
+from disagg.devcluster.engines import EngineSpec, LocalRendezvous, install_plugin
+from support.engine_fixtures import TestEngine
+from support.engines import Service
 
 RENDEZVOUS = LocalRendezvous(token="engine-tests-token", deployment="tests", heartbeat=2)
-
-
-class TestEngine(LocalEngine):
-    """A LocalEngine that refuses to start on a core another running engine of this session holds."""
-
-    __test__ = False
-    running: list[TestEngine] = []
-
-    def start(self) -> TestEngine:
-        TestEngine.running = [e for e in TestEngine.running if e.proc is not None and e.proc.poll() is None]
-        busy = [e.spec.name for e in TestEngine.running if e.spec.core == self.spec.core and e is not self]
-        assert not busy, f"core {self.spec.core} already runs engine(s) {busy}; cannot start {self.spec.name}"
-        super().start()
-        TestEngine.running.append(self)
-        return self
-
-
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    return vllm_env.ensure(quiet=True)
-
-
-@pytest.fixture(scope="session")
-def model(vllm_python) -> Path:
-    return tinymodel.ensure_model(vllm_python)
-
-
-@pytest.fixture(scope="session")
-def engine_logs(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("engines")
-
-
-@pytest.fixture(scope="session")
-def reference(vllm_python, model, engine_logs) -> dict[tuple[str, int], str]:
-    """Greedy outputs of one plain (non-disaggregated) engine: what every P/D path must reproduce."""
-    engine = TestEngine(EngineSpec("reference", None, model, core=0), vllm_python, engine_logs).start()
-    try:
-        engine.wait_ready()
-        out = {}
-        for i, prompt in enumerate(PROMPTS):
-            for kind, body, path in (("completion", completion(prompt), "/v1/completions"),
-                                     ("chat", chat(prompt), "/v1/chat/completions")):
-                status, resp = post(engine.url + path, body)
-                assert status == 200, resp
-                out[(kind, i)] = text_of(resp)
-        return out
-    finally:
-        engine.stop()
 
 
 @pytest.fixture(scope="session")

@@ -94,10 +94,16 @@ def watch_list_until(cluster, res: type[T], predicate: Callable[[T], bool], *, n
     return asyncio.run(_watch_list_until(cluster.kubeconfig, res, predicate, namespace, fields, timeout, what))
 
 
+def service_account_token(cluster, namespace: str, sa: str) -> str:
+    """A bound token for the ServiceAccount, for the apiserver's audience, from the TokenRequest API."""
+    request = ServiceAccount.Token(metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=3600))
+    token: str = cluster.client.create(request, name=sa, namespace=namespace).status.token
+    return token
+
+
 def token_kubeconfig(cluster, namespace: str, sa: str, path: Path) -> Path:
     """A kubeconfig that authenticates as the ServiceAccount with a bound token from the TokenRequest API."""
-    request = ServiceAccount.Token(metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=3600))
-    token = cluster.client.create(request, name=sa, namespace=namespace).status.token
+    token = service_account_token(cluster, namespace, sa)
     admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
     context = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
     server = next(c for c in admin["clusters"] if c["name"] == context["cluster"])

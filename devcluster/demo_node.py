@@ -1,0 +1,177 @@
+"""The demo's real path: the tiny-cpu example applied with kubectl, served by the operator's own pods on the real
+node, reached through the router's Service.
+
+For each mode, the example CR (with the dev engine image's host mounts: the documented shortcut) and its model
+volume are applied; the demo follows the CR to Ready (pods, then conditions), streams one completion through the
+router Service (its ClusterIP, which kube-proxy routes from this host), prints the answer as it streams, the
+client-measured TTFT, the router's handoff for that one request, the engines that served it (the router's
+response headers) and `kubectl get dinf -o wide`, then deletes the CR so the next mode's engines get the cores.
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from lightkube import Client, codecs
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Namespace, PersistentVolume, Pod, Service
+
+from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER
+from disagg.operator import api, names
+
+from . import tinymodel
+from .cluster import LocalCluster
+from .demo_engines import (
+    MAX_TOKENS,
+    PROMPT,
+    TIMING_HEADER,
+    DemoFailed,
+    Result,
+    Timing,
+    printable,
+    sample_sum,
+    stream,
+    timing_row,
+)
+from .node import models, workloads
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "manifests" / "examples" / "tiny-cpu.yaml"
+NAMESPACE = "tiny"
+READY_TIMEOUT = 420.0
+Dinf = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
+
+
+def _say(msg: str) -> None:
+    print(f"\n==> {msg}", flush=True)
+
+
+def _note(msg: str) -> None:
+    print(f"    {msg}", flush=True)
+
+
+def _kubectl(c: LocalCluster, *args: str, stdin: str | None = None) -> None:
+    subprocess.run([str(c.bin / "kubectl"), f"--kubeconfig={c.kubeconfig}", *args], check=True, text=True,
+                   input=stdin)
+
+
+def _condition(obj: Any, ctype: str) -> dict[str, Any] | None:
+    conditions = ((obj.status or {}).get("conditions") or []) if obj is not None else []
+    return next((c for c in conditions if c["type"] == ctype), None)
+
+
+def _follow(client: Client, name: str, timeout: float) -> None:
+    """Print each change of the CR's Ready condition and of its pods' phases until Ready (or fail naming why)."""
+    deadline = time.monotonic() + timeout
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        dinf = client.get(Dinf, name, namespace=NAMESPACE)
+        for pod in client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name}):
+            statuses = pod.status.containerStatuses or [] if pod.status else []
+            state = "Ready" if statuses and all(s.ready for s in statuses) else (
+                pod.status.phase if pod.status else "Pending")
+            line = f"pod {pod.metadata.name}: {state}"
+            if line not in seen:
+                seen.add(line)
+                _note(line)
+        ready = _condition(dinf, "Ready")
+        if ready is not None:
+            line = f"Ready={ready['status']} ({ready.get('reason', '')})"
+            if line not in seen:
+                seen.add(line)
+                _note(f"{name}: {line} {ready.get('message', '')}".rstrip())
+            if ready["status"] == "True" and (dinf.status or {}).get("observedGeneration") == \
+                    dinf.metadata.generation:
+                return
+        degraded = _condition(dinf, "Degraded")
+        if degraded is not None and degraded["status"] == "True":
+            raise DemoFailed(f"{name} is Degraded ({degraded.get('reason')}): {degraded.get('message')}")
+        time.sleep(1)  # progress printing: a watch would need a second loop for pods
+    raise DemoFailed(f"{name} not Ready within {timeout:.0f}s; `kubectl -n {NAMESPACE} describe pods`")
+
+
+def _service_url(client: Client, service: str) -> str:
+    svc = client.get(Service, service, namespace=NAMESPACE)
+    return f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read().decode()
+
+
+def serve(c: LocalCluster, images: dict[str, str], mounts: tuple[Path, ...], mode: str) -> Result:
+    client = c.client()
+    name = f"tiny-{mode}"
+    cr = workloads.on_dev_node(yaml.safe_load(EXAMPLE.read_text()), images["vllm-cpu"], mounts, name=name,
+                               mode=mode)
+    model = tinymodel.model_dir()
+    cr["spec"]["model"]["source"]["pvc"]["path"] = f"/{model.name}"
+    _say(f"{mode} mode: kubectl apply of {EXAMPLE.name} (cpu profile, 1 prefill + 1 decode, model from a PVC)")
+    _kubectl(c, "apply", "-n", NAMESPACE, "-f", "-", stdin=yaml.safe_dump(cr))
+    t0 = time.monotonic()
+    _follow(client, name, READY_TIMEOUT)
+    _note(f"Ready after {time.monotonic() - t0:.0f}s (most of it vLLM starting in the engine pods)")
+    router = _service_url(client, names.router_name(name))
+    _say(f"{mode} mode: a streamed completion through the router Service {router} (greedy, {MAX_TOKENS} tokens)")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+    def handoffs() -> tuple[float, float]:
+        metrics = _get(router + "/metrics")
+        return (sample_sum(metrics, "disagg_router_handoff_seconds_count", mode=mode),
+                sample_sum(metrics, "disagg_router_handoff_seconds_sum", mode=mode))
+
+    def one(show: Callable[[str], None]) -> tuple[str, Timing, tuple[str, str]]:
+        n0, sum0 = handoffs()
+        text, ttft, total, headers = stream(router + "/v1/completions", body, show)
+        n1, sum1 = handoffs()
+        return text, Timing(ttft, total, sum1 - sum0 if n1 - n0 == 1 else None), \
+            (headers.get(PREFILL_HEADER, "?"), headers.get(DECODE_HEADER, "?"))
+
+    print("    answer: ", end="", flush=True)
+    text, first, served = one(lambda t: print(printable(t), end="", flush=True))
+    print(flush=True)
+    again, warm, _ = one(lambda _t: None)
+    _note(TIMING_HEADER)
+    _note(timing_row("first request", first))
+    _note(timing_row("again (warm)", warm, "same answer" if again == text else f"DIFFERENT: {printable(again)!r}"))
+    _note("handoff: prefill finished to decode's first token, for that one request (the router's metrics)")
+    _note(f"served by prefill {served[0]} -> decode {served[1]} (router response headers)")
+    _say(f"kubectl get dinf {name} -o wide")
+    _kubectl(c, "get", "dinf", name, "-n", NAMESPACE, "-o", "wide")
+    verified = _condition(client.get(Dinf, name, namespace=NAMESPACE), "TransportVerified") or {}
+    _note(f"TransportVerified={verified.get('status')} ({verified.get('reason')}): {verified.get('message', '')}")
+    _kubectl(c, "delete", "dinf", name, "-n", NAMESPACE, "--wait=true")
+    _await_no_pods(client, name)
+    return Result(mode, text, first, warm, served)
+
+
+def _await_no_pods(client: Client, name: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name}):
+        if time.monotonic() > deadline:
+            raise DemoFailed(f"the pods of {name} did not go within {timeout:.0f}s")
+        time.sleep(1)  # the next mode's engines need these cores
+
+
+def prepare(c: LocalCluster, node: str) -> None:
+    """The namespace and the tiny model as a local PersistentVolume on the node, with its claim."""
+    client = c.client()
+    client.apply(Namespace(metadata=ObjectMeta(name=NAMESPACE)), field_manager="disagg-demo")
+    model = tinymodel.model_dir()
+    for doc in models.model_volume(NAMESPACE, model.parent, node):
+        client.apply(codecs.from_dict(doc), field_manager="disagg-demo")
+    _note(f"model volume: PersistentVolume {models.CLAIM}-{NAMESPACE} (local, {model.parent} on {node}) "
+          f"bound to the claim {NAMESPACE}/{models.CLAIM}")
+
+
+def cleanup(c: LocalCluster) -> None:
+    client = c.client()
+    for pv in client.list(PersistentVolume, labels={"serving.disagg.io/models-for": NAMESPACE}):
+        client.delete(PersistentVolume, pv.metadata.name)
+

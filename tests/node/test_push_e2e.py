@@ -1,0 +1,211 @@
+"""A push-mode DisaggregatedInference, applied as a user would, served by the operator's own pods on the real node:
+the operator from its chart, the rendered engine pods (launch script, preflight, plugin init container, projected
+token), the router and rendezvous Deployments and their Services. One CR for the module: two engines are what
+two cores hold.
+
+Failures are made for real under a steady request stream: the decode pod, the rendezvous pod and the operator
+pod are deleted as `kubectl delete pod` does.
+"""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from lightkube.resources.core_v1 import ConfigMap, Pod
+
+from disagg.operator import names
+from support.dinf import Dinf, cond
+from support.engines import Load, check_outputs, completion, metric
+from support.kube import pod_ready, watch_until
+from support.node import Deployed, deploy
+
+pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.engines]
+
+FAIL_FAST_SECONDS = 30.0
+"""A request in flight on a deleted engine must fail within this, never hang."""
+
+
+@pytest.fixture(scope="module")
+def push(cluster, real_node, operator_release, module_namespace, reference) -> Deployed:
+    return deploy(cluster, real_node, module_namespace, "tiny-push", "push")
+
+
+def engine_pod(cluster, d: Deployed, role: str) -> Pod:
+    (pod,) = cluster.client.list(Pod, namespace=d.namespace, labels={
+        names.LABEL_INSTANCE: d.name, names.LABEL_COMPONENT: role})
+    return pod
+
+
+def test_engines_run_as_pods_on_the_node_and_the_transport_is_verified(cluster, real_node, push):
+    for role in ("prefill", "decode"):
+        pod = engine_pod(cluster, push, role)
+        assert pod.spec.nodeName == real_node.name and pod_ready(pod)
+        assert [s.state.terminated.exitCode for s in pod.status.initContainerStatuses] == [0]  # install-plugin
+    dinf = cluster.client.get(Dinf, push.name, namespace=push.namespace)
+    verified = cond(dinf, "TransportVerified")
+    assert (verified["status"], verified["reason"]) == ("True", "TransportMatches"), verified
+
+
+def test_greedy_outputs_through_the_router_service_equal_a_single_engines(push, reference):
+    check_outputs(push.router_url, reference)
+
+
+def _advertised(d: Deployed) -> dict[str, dict]:
+    with urllib.request.urlopen(d.rendezvous_url + "/v1/engines", timeout=10) as r:
+        return {e["engine_id"]: e for e in json.load(r)["engines"]}
+
+
+def test_a_pod_bound_token_of_another_deployments_pod_is_refused(cluster, real_node, push, namespace):
+    from disagg.connector.wire.env import TOKEN_AUDIENCE
+    from support.tools import kubectl
+
+    intruder = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "intruder"}, "spec": {
+        **_node_placement(), "terminationGracePeriodSeconds": 1,
+        "containers": [{"name": "main", "image": real_node.images["python"], "imagePullPolicy": "Never",
+                        "command": ["sleep", "3600"],
+                        "volumeMounts": [{"name": "token", "mountPath": "/var/run/token", "readOnly": True}]}],
+        "volumes": [{"name": "token", "projected": {"sources": [{"serviceAccountToken": {
+            "audience": TOKEN_AUDIENCE, "expirationSeconds": 3600, "path": "token"}}]}}]}}
+    from lightkube import codecs
+    cluster.client.create(codecs.from_dict(intruder), namespace=namespace)
+    watch_until(cluster, Pod, "intruder", pod_ready, namespace=namespace, timeout=60, what="Ready")
+    token = kubectl("exec", "-n", namespace, "intruder", "--", "cat", "/var/run/token/token", cluster=cluster).stdout
+    (engine_id, adv), *_ = _advertised(push).items()
+    req = urllib.request.Request(f"{push.rendezvous_url}/v1/engines/{engine_id}", method="PUT",
+                                 data=json.dumps(adv).encode(),
+                                 headers={"Authorization": f"Bearer {token.strip()}",
+                                          "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(req, timeout=10)
+    assert refused.value.code == 403, refused.value.read()
+    assert _advertised(push)[engine_id] == adv
+
+
+def _node_placement() -> dict:
+    from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
+
+    return {"nodeSelector": {CPU_ENGINES_LABEL: CPU_ENGINES_VALUE},
+            "tolerations": [{**CPU_ENGINES_TAINT, "operator": "Equal"}]}
+
+
+def _delete_pod(cluster, namespace: str, name: str) -> None:
+    cluster.client.delete(Pod, name, namespace=namespace)
+
+
+class Stream(Load):
+    """The steady request stream, with each request's duration."""
+
+    def run(self) -> None:
+        from support.engines import post
+
+        while not self.halt.is_set():
+            start = time.monotonic()
+            status, resp = post(self.url, self.body, timeout=120)
+            with self._done:
+                self.results.append((status, f"{time.monotonic() - start:.1f}s {'' if status == 200 else resp}"))
+                self._done.notify_all()
+
+
+def _failures(results: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    return [r for r in results if r[0] != 200]
+
+
+def test_deleting_the_decode_pod_deregisters_its_engine_and_serving_resumes(cluster, push):
+    old = engine_pod(cluster, push, "decode")
+    old_ids = set(_advertised(push))
+    deregistered = metric(push.rendezvous_url, "disagg_rendezvous_deregistrations_total")
+    expired = metric(push.rendezvous_url, "disagg_rendezvous_expiries_total")
+    load = Stream(push.router_url + "/v1/completions", completion("steady stream " * 20))
+    load.start()
+    try:
+        load.await_results(3)
+        _delete_pod(cluster, push.namespace, old.metadata.name)
+        new = watch_until(cluster, Pod, old.metadata.name,
+                          lambda p: p.metadata.uid != old.metadata.uid and pod_ready(p),
+                          namespace=push.namespace, timeout=300, what="replaced and Ready")
+        new_id = _await_new_engine(push, old_ids)
+        served = len(load.results)
+        load.await_results(served + 5, timeout=120)
+    finally:
+        results = load.stop()
+    assert new.metadata.uid != old.metadata.uid and new_id not in old_ids
+    assert metric(push.rendezvous_url, "disagg_rendezvous_deregistrations_total") >= deregistered + 1
+    assert metric(push.rendezvous_url, "disagg_rendezvous_expiries_total") == expired
+    failed = _failures(results)
+    # Only requests in flight on the deleted engine may fail, and fast.
+    assert len(failed) <= 1 and all(float(msg.split("s ")[0]) < FAIL_FAST_SECONDS for _, msg in failed), failed
+    assert all(status == 200 for status, _ in results[-5:]), results[-5:]
+
+
+def _await_new_engine(d: Deployed, old_ids: set[str], timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = set(_advertised(d))
+        fresh = now - old_ids
+        if fresh and len(now) == 2:
+            return fresh.pop()
+        time.sleep(0.5)  # the rendezvous is another process; its watch is what the router follows
+    raise TimeoutError(f"no new engine advertised in {timeout}s: {_advertised(d).keys()}")
+
+
+def test_deleting_the_rendezvous_pod_fails_no_request(cluster, push):
+    (old,) = cluster.client.list(Pod, namespace=push.namespace, labels={
+        names.LABEL_INSTANCE: push.name, names.LABEL_COMPONENT: names.RENDEZVOUS})
+    load = Stream(push.router_url + "/v1/completions", completion("steady stream " * 20))
+    load.start()
+    try:
+        load.await_results(3)
+        _delete_pod(cluster, push.namespace, old.metadata.name)
+        _await_replacement(cluster, push.namespace, names.RENDEZVOUS, push.name, old.metadata.uid)
+        _await_engines(push, 2)
+        load.await_results(len(load.results) + 5, timeout=120)
+    finally:
+        results = load.stop()
+    assert _failures(results) == []
+
+
+def _await_replacement(cluster, namespace: str, component: str, instance: str, old_uid: str,
+                       timeout: float = 180) -> Pod:
+    from support.kube import watch_list_until
+
+    return watch_list_until(cluster, Pod, lambda p: p.metadata.uid != old_uid and pod_ready(p) and
+                            (p.metadata.labels or {}).get(names.LABEL_COMPONENT) == component and
+                            (p.metadata.labels or {}).get(names.LABEL_INSTANCE) == instance and
+                            p.metadata.deletionTimestamp is None,
+                            namespace=namespace, timeout=timeout, what=f"a new Ready {component} pod")
+
+
+def _await_engines(d: Deployed, n: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = _advertised(d)
+            if len(last) == n:  # type: ignore[arg-type]
+                return
+        except OSError as e:
+            last = e
+        time.sleep(0.5)  # another process's state: nothing to await
+    raise TimeoutError(f"{n} engines not advertised in {timeout}s: {last}")
+
+
+def test_deleting_the_operator_pod_fails_no_request_and_it_converges_again(cluster, push, operator_release):
+    (old,) = cluster.client.list(Pod, namespace=operator_release.namespace)
+    load = Stream(push.router_url + "/v1/completions", completion("steady stream " * 20))
+    load.start()
+    try:
+        load.await_results(3)
+        _delete_pod(cluster, operator_release.namespace, old.metadata.name)
+        watch_until(cluster, Pod, old.metadata.name, lambda p: False, namespace=operator_release.namespace,
+                    timeout=60, what="gone", gone_ok=True)
+        # Converges: a child removed while no operator ran is put back by the new one.
+        cluster.client.delete(ConfigMap, names.launch_configmap_name(push.name), namespace=push.namespace)
+        watch_until(cluster, ConfigMap, names.launch_configmap_name(push.name), lambda _cm: True,
+                    namespace=push.namespace, timeout=180, what="recreated")
+        load.await_results(len(load.results) + 5, timeout=120)
+    finally:
+        results = load.stop()
+    assert _failures(results) == []

@@ -1,0 +1,48 @@
+"""The product on the real node: deploy the tiny-cpu example as a user would and reach it as clients do."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from lightkube import codecs
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-cpu.yaml"
+
+
+@dataclass
+class Deployed:
+    """A DisaggregatedInference served by real engine pods on the node."""
+    name: str
+    namespace: str
+    router_url: str  # the router Service's ClusterIP, reached from the host through kube-proxy
+    rendezvous_url: str
+
+
+def deploy(cluster, real_node, namespace: str, name: str, mode: str, timeout: float = 420, **overrides) -> Deployed:
+    """Apply the tiny-cpu example (as on any cluster, plus the dev engine image's host mounts) with its model
+    volume, and wait until the operator reports it Ready."""
+    from lightkube.resources.core_v1 import Service
+
+    from disagg.devcluster import tinymodel
+    from disagg.devcluster.images import engine
+    from disagg.devcluster.node import models, workloads
+    from disagg.operator import names
+    from support.dinf import Dinf, create, is_ready
+    from support.kube import watch_until
+
+    model = tinymodel.model_dir()
+    for doc in models.model_volume(namespace, model.parent, real_node.name):
+        cluster.client.create(codecs.from_dict(doc))
+    cr = workloads.on_dev_node(yaml.safe_load(EXAMPLE.read_text()), real_node.images["vllm-cpu"],
+                               engine.host_env().mounts, name=name, mode=mode)
+    cr["spec"]["model"]["source"]["pvc"]["path"] = f"/{model.name}"
+    for key, value in overrides.items():
+        cr["spec"][key] = value
+    create(cluster, namespace, cr)
+    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=timeout, what="Ready")
+    def url(service: str) -> str:
+        svc = cluster.client.get(Service, service, namespace=namespace)
+        return f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
+
+    return Deployed(name, namespace, url(names.router_name(name)), url(names.rendezvous_name(name)))
