@@ -5,10 +5,18 @@ Bookworm's python3 is 3.11, like the official image's. Differences that matter t
 and `pip` are on PATH (python-is-python3, python3-pip) and PEP 668's EXTERNALLY-MANAGED marker is removed, as the
 official image (whose Python is not Debian's) has none. The extras are what vLLM's CPU build loads at run time
 (libgomp1, libnuma1, numactl) and what pods' probes and people use (procps, ca-certificates).
+
+The image trusts the CA certificates the host trusts beyond Debian's own: a second, small layer appends them to
+/etc/ssl/certs/ca-certificates.crt (and keeps them in /usr/local/share/ca-certificates, so update-ca-certificates in
+a derived image keeps them). Without it, a host whose egress goes through a TLS-intercepting proxy (this one does)
+builds an image whose pip cannot reach PyPI: "certificate verify failed: self-signed certificate in certificate
+chain". On a host with none, there is no such layer. The image's key includes them.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -115,6 +123,67 @@ def _say(progress: bool, msg: str) -> None:
         print(msg, flush=True)
 
 
+HOST_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+STOCK_CAS = Path("/usr/share/ca-certificates")  # where Debian's ca-certificates keeps the certificates it ships
+_PEM = re.compile(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.S)
+
+
+def pem_blocks(text: str) -> list[str]:
+    """The certificates in a PEM text, each normalised (no blank or indented lines) so equal ones compare equal."""
+    return ["\n".join(line.strip() for line in block.splitlines() if line.strip()) for block in _PEM.findall(text)]
+
+
+def extra_cas(bundle: str, stock: list[str]) -> list[str]:
+    """The certificates of `bundle` that are not among `stock`, in bundle order, once each (pure)."""
+    known = {b for text in stock for b in pem_blocks(text)}
+    out: list[str] = []
+    for block in pem_blocks(bundle):
+        if block not in known and block not in out:
+            out.append(block)
+    return out
+
+
+def host_extra_cas() -> list[str]:
+    if not HOST_BUNDLE.exists():
+        return []
+    stock = [p.read_text(errors="replace") for p in sorted(STOCK_CAS.rglob("*.crt"))] if STOCK_CAS.is_dir() else []
+    return extra_cas(HOST_BUNDLE.read_text(errors="replace"), stock)
+
+
+def cas_digest(cas: list[str]) -> str:
+    return hashlib.sha256("\n".join(cas).encode()).hexdigest()[:16] if cas else ""
+
+
+def ca_layer(spec: BaseSpec, cas: list[str], progress: bool = True) -> oci.Layer:
+    """A layer with the base's CA bundle plus `cas`, and `cas` as local certificates."""
+    digest = cas_digest(cas)
+    path = images_dir() / "layers" / f"base-{spec.key}-ca-{digest}.tar"
+    if path.exists():
+        return oci.layer_of(path)
+    rootfs = ensure_rootfs(spec, progress)
+    staged = images_dir() / "rootfs" / f"ca-{spec.key}-{digest}"
+    if staged.exists():
+        shutil.rmtree(staged)
+    (staged / "etc" / "ssl" / "certs").mkdir(parents=True, mode=0o755)
+    local = staged / "usr" / "local" / "share" / "ca-certificates"
+    local.mkdir(parents=True, mode=0o755)
+    bundle = (rootfs / "etc" / "ssl" / "certs" / "ca-certificates.crt").read_text()
+    (staged / "etc" / "ssl" / "certs" / "ca-certificates.crt").write_text(
+        bundle.rstrip("\n") + "\n" + "".join(f"{c}\n" for c in cas))
+    for i, cert in enumerate(cas):
+        (local / f"disagg-host-{i}.crt").write_text(cert + "\n")
+    for d in [staged, *(p for p in staged.rglob("*") if p.is_dir())]:
+        d.chmod(0o755)
+    _say(progress, f"[base] {len(cas)} CA certificate(s) the host trusts beyond Debian's go in a layer of their own")
+    return oci.write_layer(staged, path)
+
+
+def layers(spec: BaseSpec, progress: bool = True) -> list[oci.Layer]:
+    """The base image's layers: the root filesystem, then the host's extra CAs if it has any."""
+    cas = host_extra_cas()
+    return [base_layer(spec, progress), *([ca_layer(spec, cas, progress)] if cas else [])]
+
+
 # The official image's CMD; `python` and `pip` come from python-is-python3 and python3-pip.
 RUN = oci.RunConfig(env=tuple(f"{k}={v}" for k, v in BaseSpec().env), cmd=("python3",))
 
@@ -131,9 +200,9 @@ def base_layer(spec: BaseSpec, progress: bool = True) -> oci.Layer:
 
 def image(spec: BaseSpec | None = None) -> Image:
     spec = spec or BaseSpec()
-    return Image("python", key_of(spec.key, RUN.env, RUN.cmd))
+    return Image("python", key_of(spec.key, RUN.env, RUN.cmd, cas_digest(host_extra_cas())))
 
 
 def ensure(spec: BaseSpec | None = None, progress: bool = True) -> Image:
     spec = spec or BaseSpec()
-    return ensure_layout(image(spec), lambda: [base_layer(spec, progress)], RUN)
+    return ensure_layout(image(spec), lambda: layers(spec, progress), RUN)

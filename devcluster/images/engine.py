@@ -65,14 +65,14 @@ def run_config(env: HostEnv) -> oci.RunConfig:
 def image(env: HostEnv | None = None, spec: base.BaseSpec | None = None) -> Image:
     env = env or host_env()
     run = run_config(env)
-    return Image("vllm-cpu", key_of("engine", (spec or base.BaseSpec()).key, vllm_env.RECIPE, run.env, run.cmd,
+    return Image("vllm-cpu", key_of("engine", base.image(spec).key, vllm_env.RECIPE, run.env, run.cmd,
                                     dict(run.labels)))
 
 
 def ensure(spec: base.BaseSpec | None = None, progress: bool = True) -> Image:
     spec = spec or base.BaseSpec()
     env = host_env()
-    return ensure_layout(image(env, spec), lambda: [base.base_layer(spec, progress)], run_config(env))
+    return ensure_layout(image(env, spec), lambda: base.layers(spec, progress), run_config(env))
 
 
 def chroot_script(rootfs: Path, env: HostEnv, command: str) -> str:
