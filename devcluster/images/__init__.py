@@ -9,3 +9,6 @@
 
 `python -m disagg.devcluster.images build` builds all of them (cached by their inputs).
 """
+from .catalog import build_all, ensure_images
+
+__all__ = ["build_all", "ensure_images"]
