@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import oci
-from .cache import images_dir
+from .cache import images_dir, locked
 
 REGISTRY = "disagg.local"
 # Every image also gets this tag in containerd: the name manifests and pods use (imagePullPolicy Never/IfNotPresent).
@@ -49,10 +49,16 @@ def ensure_layout(image: Image, layers: Callable[[], list[oci.Layer]], run: oci.
     """Write `image`'s layout and tar from the layers `layers()` returns, unless both are cached."""
     if image.tar.exists() and (image.layout / "index.json").exists():
         return image
+    with locked(f"oci-{image.name}-{image.key}"):
+        if not (image.tar.exists() and (image.layout / "index.json").exists()):
+            _write(image, layers, run)
+    return image
+
+
+def _write(image: Image, layers: Callable[[], list[oci.Layer]], run: oci.RunConfig) -> None:
     staged = image.layout.with_name(image.layout.name + ".partial")
     oci.write_layout(staged, image.reference, layers(), run)
     if image.layout.exists():
         shutil.rmtree(image.layout)
     staged.rename(image.layout)
     oci.pack(image.layout, image.tar)
-    return image

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from . import oci
 from .artifact import Image, ensure_layout
-from .cache import images_dir, key_of, replace_dir
+from .cache import images_dir, key_of, locked, replace_dir
 
 # Bump when the steps below change what the root filesystem holds.
 SCRIPT_VERSION = 1
@@ -62,6 +62,13 @@ def ensure_rootfs(spec: BaseSpec, progress: bool = True) -> Path:
     final = rootfs_dir(spec)
     if (final / ".disagg-complete").exists():
         return final
+    with locked(f"base-{spec.key}"):
+        if (final / ".disagg-complete").exists():
+            return final
+        return _debootstrap(spec, final, progress)
+
+
+def _debootstrap(spec: BaseSpec, final: Path, progress: bool) -> Path:
     debootstrap = shutil.which("debootstrap") or ("/usr/sbin/debootstrap" if Path("/usr/sbin/debootstrap").exists()
                                                   else None)
     if debootstrap is None:
@@ -181,7 +188,8 @@ def ca_layer(spec: BaseSpec, cas: list[str], progress: bool = True) -> oci.Layer
 def layers(spec: BaseSpec, progress: bool = True) -> list[oci.Layer]:
     """The base image's layers: the root filesystem, then the host's extra CAs if it has any."""
     cas = host_extra_cas()
-    return [base_layer(spec, progress), *([ca_layer(spec, cas, progress)] if cas else [])]
+    with locked(f"layers-{spec.key}"):  # the base and the engine image share them
+        return [base_layer(spec, progress), *([ca_layer(spec, cas, progress)] if cas else [])]
 
 
 # The official image's CMD; `python` and `pip` come from python-is-python3 and python3-pip.

@@ -2,11 +2,13 @@
 the files a key covers)."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from .. import build
@@ -47,3 +49,17 @@ def replace_dir(staged: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(final)
     staged.rename(final)
+
+
+@contextmanager
+def locked(name: str) -> Iterator[None]:
+    """An exclusive lock on `images/<name>.lock` for the block: worktrees share the cache, and two debootstraps into
+    one directory, or two buildkitds on one socket, would break each other. Callers check the cache again inside."""
+    path = images_dir() / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

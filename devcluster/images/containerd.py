@@ -122,8 +122,8 @@ def throwaway(bin_dir: Path | None = None, startup_timeout: float = 60) -> Itera
 def run_container(ctr: Ctr, image: str, args: Sequence[str] = (), runc: Path | None = None,
                   mounts: Sequence[tuple[Path, Path]] = (), env: Sequence[str] = (), timeout: float = 300,
                   name: str | None = None) -> subprocess.CompletedProcess[str]:
-    """`ctr run --rm` of `image` with `args` (appended to its entrypoint, as Docker does), read-only bind `mounts`
-    (host, container); returns the finished process (its exit code and output)."""
+    """`ctr run --rm` of `image`, read-only bind `mounts` (host, container); returns the finished process (its exit
+    code and output). Non-empty `args` replace the image's entrypoint and command alike (ctr's rule, not Docker's)."""
     runc = runc or build.bin_dir() / "runc"
     argv = ["run", "--rm", "--runc-binary", str(runc), "--snapshotter", "overlayfs"]
     for host, inside in mounts:

@@ -10,6 +10,7 @@ frontend and the Dockerfile unchanged for `docker build`.
 """
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 from .. import build
 from . import base, buildkit
 from .artifact import Image
-from .cache import images_dir, key_of, tree_digest
+from .cache import images_dir, key_of, locked, tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 # Exactly what the Dockerfile copies (its .dockerignore lets in nothing else), and the Dockerfile itself.
@@ -60,6 +61,13 @@ def ensure(spec: base.BaseSpec | None = None, progress: bool = True, bin_dir: Pa
     img = image(spec, repo)
     if img.is_built():
         return img
+    with locked("buildkit"):  # one buildkitd per cache: its root and socket are there
+        if img.is_built():
+            return img
+        return _build(img, spec, progress, bin_dir, repo)
+
+
+def _build(img: Image, spec: base.BaseSpec | None, progress: bool, bin_dir: Path | None, repo: Path) -> Image:
     if not (repo / "Dockerfile").exists():
         raise FileNotFoundError(f"no Dockerfile in {repo}: the operator image is built from a checkout")
     base_img = base.ensure(spec, progress)
@@ -83,6 +91,5 @@ def ensure(spec: base.BaseSpec | None = None, progress: bool = True, bin_dir: Pa
 
 
 def _manifest_digest(layout: Path) -> str:
-    import json
     digest: str = json.loads((layout / "index.json").read_text())["manifests"][0]["digest"]
     return digest
