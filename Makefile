@@ -9,7 +9,7 @@ export DISAGG_CACHE
 VENV := $(CURDIR)/.venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-engines test-fast test-unit check lint typecheck imports tree generate venv binaries vllm
+.PHONY: demo test test-engines test-fast test-unit check lint typecheck imports tree generate venv binaries vllm images
 
 demo: venv binaries vllm
 	$(BIN)/disagg demo
@@ -65,3 +65,8 @@ binaries: venv
 
 vllm: venv
 	$(BIN)/python -m disagg.devcluster.vllm_env
+
+# The real node's container images (devcluster/images), cached by their inputs. Needs root and debootstrap
+# (apt-get install debootstrap).
+images: venv binaries
+	$(BIN)/python -m disagg.devcluster.images build

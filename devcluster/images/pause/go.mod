@@ -1,0 +1,3 @@
+module disagg.local/pause
+
+go 1.22
