@@ -60,8 +60,13 @@ def _kubectl(c: LocalCluster, *args: str, stdin: str | None = None) -> None:
                    input=stdin)
 
 
+def _status(obj: Any) -> dict[str, Any]:
+    status: dict[str, Any] = (obj.status if obj is not None else None) or {}
+    return status
+
+
 def _condition(obj: Any, ctype: str) -> dict[str, Any] | None:
-    conditions = ((obj.status or {}).get("conditions") or []) if obj is not None else []
+    conditions = _status(obj).get("conditions") or []
     return next((c for c in conditions if c["type"] == ctype), None)
 
 
@@ -75,7 +80,7 @@ def _follow(client: Client, name: str, timeout: float) -> None:
             statuses = pod.status.containerStatuses or [] if pod.status else []
             state = "Ready" if statuses and all(s.ready for s in statuses) else (
                 pod.status.phase if pod.status else "Pending")
-            line = f"pod {pod.metadata.name}: {state}"
+            line = f"pod {pod.metadata.name if pod.metadata else '?'}: {state}"
             if line not in seen:
                 seen.add(line)
                 _note(line)
@@ -85,8 +90,8 @@ def _follow(client: Client, name: str, timeout: float) -> None:
             if line not in seen:
                 seen.add(line)
                 _note(f"{name}: {line} {ready.get('message', '')}".rstrip())
-            if ready["status"] == "True" and (dinf.status or {}).get("observedGeneration") == \
-                    dinf.metadata.generation:
+            observed = _status(dinf).get("observedGeneration")
+            if ready["status"] == "True" and dinf.metadata is not None and observed == dinf.metadata.generation:
                 return
         degraded = _condition(dinf, "Degraded")
         if degraded is not None and degraded["status"] == "True":
@@ -96,13 +101,16 @@ def _follow(client: Client, name: str, timeout: float) -> None:
 
 
 def _service_url(client: Client, service: str) -> str:
-    svc = client.get(Service, service, namespace=NAMESPACE)
-    return f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
+    spec = client.get(Service, service, namespace=NAMESPACE).spec
+    if spec is None or not spec.ports:
+        raise DemoFailed(f"Service {NAMESPACE}/{service} has no ports")
+    return f"http://{spec.clusterIP}:{spec.ports[0].port}"
 
 
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as r:
-        return r.read().decode()
+        body: bytes = r.read()
+        return body.decode()
 
 
 def serve(c: LocalCluster, images: dict[str, str], mounts: tuple[Path, ...], mode: str) -> Result:
@@ -173,5 +181,6 @@ def prepare(c: LocalCluster, node: str) -> None:
 def cleanup(c: LocalCluster) -> None:
     client = c.client()
     for pv in client.list(PersistentVolume, labels={"serving.disagg.io/models-for": NAMESPACE}):
-        client.delete(PersistentVolume, pv.metadata.name)
+        if pv.metadata is not None and pv.metadata.name:
+            client.delete(PersistentVolume, pv.metadata.name)
 

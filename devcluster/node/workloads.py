@@ -17,12 +17,11 @@ ENGINE_CONTAINER = "engine"
 
 def host_mounts_overlay(mounts: Sequence[Path]) -> dict[str, Any]:
     """A role's podTemplate that mounts each host path read-only at the same path in the engine container."""
-    volumes = [{"name": f"host-vllm-{i}", "hostPath": {"path": str(p), "type": "Directory"}}
-               for i, p in enumerate(mounts)]
+    named = [(f"host-vllm-{i}", str(p)) for i, p in enumerate(mounts)]
     return {"spec": {
-        "volumes": volumes,
+        "volumes": [{"name": n, "hostPath": {"path": p, "type": "Directory"}} for n, p in named],
         "containers": [{"name": ENGINE_CONTAINER, "volumeMounts": [
-            {"name": v["name"], "mountPath": v["hostPath"]["path"], "readOnly": True} for v in volumes]}],
+            {"name": n, "mountPath": p, "readOnly": True} for n, p in named]}],
     }}
 
 
