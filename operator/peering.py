@@ -6,9 +6,23 @@ others wait, and when it dies its peering record expires and the next one takes 
 """
 from __future__ import annotations
 
+import secrets
+import socket
+from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 GROUP, VERSION = "kopf.dev", "v1"
+
+
+def own_identity(env: Mapping[str, str], now: datetime | None = None) -> str:
+    """This replica's peering identity: its pod name (else the host name), start time and a random suffix, so a
+    restarted pod never reuses its predecessor's record. Not kopf's default, which starts with the user name:
+    the image runs as uid 65532, which has no passwd entry, so getpass.getuser() raises and the operator died at
+    start-up in every pod."""
+    host = env.get("POD_NAME") or socket.gethostname()
+    stamp = (now or datetime.now(UTC)).strftime("%Y%m%d%H%M%S")
+    return f"{host}/{stamp}/{secrets.token_hex(3)}"
 
 
 def _crd(kind: str, plural: str, scope: str) -> dict[str, Any]:

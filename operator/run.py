@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 from .names import rendezvous_url
+from .peering import own_identity
 
 # The in-cluster Service of each deployment's rendezvous, with placeholders. (names.py imports nothing heavy.)
 DEFAULT_RENDEZVOUS_TEMPLATE = rendezvous_url("{name}", "{namespace}")
@@ -108,7 +109,7 @@ def main(args: argparse.Namespace) -> None:
     asyncio.run(kopf.operator(
         clusterwide=not args.namespace, namespaces=args.namespace,
         standalone=args.peering is None, peering_name=args.peering, priority=priority,
-        liveness_endpoint=args.liveness or None, memo=kopf.Memo(),
+        liveness_endpoint=args.liveness or None, memo=kopf.Memo(), identity=own_identity(os.environ),  # type: ignore[arg-type]  # kopf's Identity: a NewType of str it does not export
     ))
 
 

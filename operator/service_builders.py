@@ -26,7 +26,7 @@ def support_pod_placement(cr: DisaggregatedInference) -> dict[str, Any]:
 
 def _deployment(cr: DisaggregatedInference, component: str, name: str, replicas: int, command: list[str],
                 port: int, image: str, strategy: dict[str, Any], env: list[dict[str, Any]] | None = None,
-                pod_spec: dict[str, Any] | None = None) -> dict[str, Any]:
+                pod_spec: dict[str, Any] | None = None, liveness_path: str = "/health") -> dict[str, Any]:
     container = {
         "name": component,
         "image": image,
@@ -35,7 +35,7 @@ def _deployment(cr: DisaggregatedInference, component: str, name: str, replicas:
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
         "readinessProbe": http_probe("/health", "http", period=5, failures=3, timeout=2),
-        "livenessProbe": http_probe("/health", "http", period=10, failures=3, timeout=5),
+        "livenessProbe": http_probe(liveness_path, "http", period=10, failures=3, timeout=5),
         "securityContext": {"allowPrivilegeEscalation": False},
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -123,7 +123,8 @@ def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dic
                "--rendezvous", names.rendezvous_url(name, namespace_of(cr)),
                "--port", str(names.ROUTER_CONTAINER_PORT)]
     return _deployment(cr, names.ROUTER, names.router_name(name), spec.router.replicas, command,
-                       names.ROUTER_CONTAINER_PORT, images.operator, {"type": "RollingUpdate"})
+                       names.ROUTER_CONTAINER_PORT, images.operator, {"type": "RollingUpdate"},
+                       liveness_path="/livez")
 
 
 def router_service(cr: DisaggregatedInference) -> dict[str, Any]:

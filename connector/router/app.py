@@ -296,6 +296,11 @@ class Router:
         body = {"status": "ok" if pair else "no-engines", "engines": self.pool.snapshot()}
         return web.json_response(body, status=200 if pair else 503)
 
+    async def livez(self, _request: web.Request) -> web.Response:
+        """Alive: the event loop answers. Unlike /health it never depends on the engines, so a liveness probe on
+        it does not restart a router while its engines start or fail over (which would not help them)."""
+        return web.json_response({"status": "ok"})
+
     async def metrics(self, _request: web.Request) -> web.Response:
         for key, n in self.pool.snapshot().items():
             role, state = key.split("/")
@@ -308,6 +313,7 @@ class Router:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/livez", self.livez)
         app.router.add_get("/metrics", self.metrics)
         app.cleanup_ctx.append(self._lifecycle)
         return app

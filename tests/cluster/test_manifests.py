@@ -88,7 +88,7 @@ def test_install_base_applies_and_runs_the_operator(cluster, crd_installed, inst
 
 OVERLAYS = {
     "examples": {"qwen3-32b": (1, 1, 4, "Qwen/Qwen3-32B"), "qwen3-32b-2p1d": (2, 1, 4, "Qwen/Qwen3-32B"),
-                 "llama-trn2": (1, 1, 32, "meta-llama/Llama-3.1-8B-Instruct"), "tiny-cpu": (1, 1, 1, "tiny-llama")},
+                 "llama-trn2": (1, 1, 32, "meta-llama/Llama-3.1-8B-Instruct"), "tiny-cpu": (1, 1, 1, "tiny")},
     "overlays/staging": {"qwen3-8b": (1, 1, 1, "Qwen/Qwen3-8B"), "qwen3-32b-2p1d": (1, 1, 4, "Qwen/Qwen3-32B"),
                          "llama-trn2": (1, 1, 32, "meta-llama/Llama-3.1-8B-Instruct")},
     "overlays/production": {"qwen3-32b": (2, 2, 4, "Qwen/Qwen3-32B"), "qwen3-32b-2p1d": (4, 2, 4, "Qwen/Qwen3-32B"),

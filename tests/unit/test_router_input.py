@@ -99,6 +99,17 @@ async def router_url():
             yield url, (prefill, decode)
 
 
+async def test_livez_answers_while_health_says_no_engines():
+    """A liveness probe on /livez never restarts a router whose engines are starting or gone; /health (readiness)
+    reports them."""
+    router = Router(EnginePool("push", lambda: []), Settings(mode="push"))
+    async with serving(router.app()) as url, aiohttp.ClientSession() as s:
+        async with s.get(url + "/health") as resp:
+            assert resp.status == 503 and (await resp.json())["status"] == "no-engines"
+        async with s.get(url + "/livez") as resp:
+            assert resp.status == 200 and (await resp.json()) == {"status": "ok"}
+
+
 async def _check_error(resp: aiohttp.ClientResponse, status: int, words: str) -> None:
     assert resp.headers["Content-Type"].startswith("application/json"), resp.headers
     err = (await resp.json())["error"]
@@ -124,7 +135,7 @@ async def test_bad_input_gets_a_4xx_error_body_and_reaches_no_engine(router_url)
 async def test_get_routes_ignore_bodies_and_odd_queries_and_other_methods_are_405(router_url):
     url, _ = router_url
     async with aiohttp.ClientSession() as s:
-        for path in ("/health", "/v1/models", "/metrics"):
+        for path in ("/health", "/livez", "/v1/models", "/metrics"):
             async with s.get(url + path + "?role=%ff&since=-1&x", data=b"\xff\xfe") as resp:
                 assert resp.status == 200, (path, await resp.text())
             for method in ("PUT", "DELETE", "PATCH"):

@@ -20,6 +20,8 @@ def test_router_and_rendezvous():
     assert c["command"] == ["disagg", "router", "--mode", "push", "--rendezvous",
                             "http://qwen-rendezvous.ml.svc:8080", "--port", "8000"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    # Liveness never depends on the engines: a router restarted while they start would not help them.
+    assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert c["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
     svc = child(children, "Service", "qwen-router")["spec"]
     assert svc["type"] == "LoadBalancer"
