@@ -330,6 +330,9 @@ class RouterSpec(Model):
     """Type of the router's Service."""
     port: int = Field(default=8000, ge=1, le=65535)
     """Service port."""
+    pair_wait_seconds: int = Field(default=30, ge=0, le=3600)
+    """How long a request waits for a healthy prefill/decode pair when none is available (an engine restarting,
+    a rollout step) before the router answers 503. 0 answers at once."""
 
 
 class RendezvousSpec(Model):

@@ -26,7 +26,8 @@ def support_pod_placement(cr: DisaggregatedInference) -> dict[str, Any]:
 
 def _deployment(cr: DisaggregatedInference, component: str, name: str, replicas: int, command: list[str],
                 port: int, image: str, strategy: dict[str, Any], env: list[dict[str, Any]] | None = None,
-                pod_spec: dict[str, Any] | None = None, liveness_path: str = "/health") -> dict[str, Any]:
+                pod_spec: dict[str, Any] | None = None, readiness_path: str = "/health",
+                liveness_path: str = "/health") -> dict[str, Any]:
     container = {
         "name": component,
         "image": image,
@@ -34,7 +35,7 @@ def _deployment(cr: DisaggregatedInference, component: str, name: str, replicas:
         **({"env": env} if env else {}),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
-        "readinessProbe": http_probe("/health", "http", period=5, failures=3, timeout=2),
+        "readinessProbe": http_probe(readiness_path, "http", period=5, failures=3, timeout=2),
         "livenessProbe": http_probe(liveness_path, "http", period=10, failures=3, timeout=5),
         "securityContext": {"allowPrivilegeEscalation": False},
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -121,10 +122,12 @@ def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dic
     name, spec = cr_name(cr), cr.spec
     command = ["disagg", "router", "--mode", spec.kv_transfer.mode,
                "--rendezvous", names.rendezvous_url(name, namespace_of(cr)),
-               "--port", str(names.ROUTER_CONTAINER_PORT)]
+               "--port", str(names.ROUTER_CONTAINER_PORT), "--pair-wait-seconds", str(spec.router.pair_wait_seconds)]
+    # Ready once it has read the rendezvous, whether or not a pair is up: a router that is not Ready takes the
+    # Service's only endpoint away, and clients get refused connections instead of waiting for the pair.
     return _deployment(cr, names.ROUTER, names.router_name(name), spec.router.replicas, command,
                        names.ROUTER_CONTAINER_PORT, images.operator, {"type": "RollingUpdate"},
-                       liveness_path="/livez")
+                       readiness_path="/readyz", liveness_path="/livez")
 
 
 def router_service(cr: DisaggregatedInference) -> dict[str, Any]:

@@ -15,7 +15,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -93,12 +94,28 @@ class Settings:
     connect_timeout: float = 5.0
     request_timeout: float = 300.0
     transfer_id: bool = False
+    pair_wait: float = 0.0  # seconds a request waits for a pair when none is available
+
+
+PAIR_POLL_SECONDS = 0.1
 
 
 class Router:
-    def __init__(self, pool: EnginePool, settings: Settings, metrics: Metrics | None = None):
+    def __init__(self, pool: EnginePool, settings: Settings, metrics: Metrics | None = None,
+                 synced: Callable[[], bool] = lambda: True):
         self.pool, self.s, self.m = pool, settings, metrics or Metrics()
         self.session: aiohttp.ClientSession | None = None
+        self.synced = synced  # the engine source has been read once (the rendezvous' first snapshot)
+
+    async def _await_pair(self, exclude: AbstractSet[str]) -> tuple[EngineAdvertisement, EngineAdvertisement] | None:
+        """A pair now, or within `pair_wait` seconds (an engine restarting, the rendezvous re-learning its engines
+        after a restart), polled: pool changes come from several sources (the watch, probes, failures)."""
+        pair = self.pool.choose(exclude=exclude)
+        deadline = time.monotonic() + self.s.pair_wait
+        while pair is None and time.monotonic() < deadline:
+            await asyncio.sleep(PAIR_POLL_SECONDS)
+            pair = self.pool.choose(exclude=exclude)
+        return pair
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=None, connect=self.s.connect_timeout, sock_read=self.s.request_timeout)
@@ -146,7 +163,7 @@ class Router:
         tried: set[str] = set()
         last: UpstreamFailed | None = None
         for attempt in range(2):
-            pair = self.pool.choose(exclude=tried)
+            pair = await self._await_pair(tried) if attempt == 0 else self.pool.choose(exclude=tried)
             if pair is None:
                 break
             prefill, decode = pair
@@ -296,6 +313,13 @@ class Router:
         body = {"status": "ok" if pair else "no-engines", "engines": self.pool.snapshot()}
         return web.json_response(body, status=200 if pair else 503)
 
+    async def readyz(self, _request: web.Request) -> web.Response:
+        """Ready: the router knows the engines (it has read the rendezvous once), pair or not. Requests that find
+        no pair wait up to --pair-wait-seconds and then get a 503 that says why."""
+        if self.synced():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "syncing"}, status=503)
+
     async def livez(self, _request: web.Request) -> web.Response:
         """Alive: the event loop answers. Unlike /health it never depends on the engines, so a liveness probe on
         it does not restart a router while its engines start or fail over (which would not help them)."""
@@ -314,6 +338,7 @@ class Router:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/livez", self.livez)
+        app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
         app.cleanup_ctx.append(self._lifecycle)
         return app
@@ -416,8 +441,10 @@ def build(args: argparse.Namespace) -> tuple[Router, list[tuple[EngineCache, Ren
         tasks.append((cache, client))
         source = lambda: list(cache.engines.values())  # noqa: E731
     settings = Settings(mode=args.mode, dispatch=args.dispatch, connect_timeout=args.connect_timeout,
-                        request_timeout=args.request_timeout, transfer_id=args.transfer_id)
-    return Router(EnginePool(args.mode, source), settings), tasks
+                        request_timeout=args.request_timeout, transfer_id=args.transfer_id,
+                        pair_wait=args.pair_wait_seconds)
+    synced = tasks[0][0].synced.is_set if tasks else lambda: True
+    return Router(EnginePool(args.mode, source), settings, synced=synced), tasks
 
 
 def main(args: argparse.Namespace) -> None:

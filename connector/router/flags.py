@@ -18,5 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--engines-file", type=Path, help="static engine list (YAML/JSON advertisements)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="per-read timeout of upstream calls")
     p.add_argument("--connect-timeout", type=float, default=5.0)
+    p.add_argument("--pair-wait-seconds", type=float, default=0.0,
+                   help="how long a request waits for a healthy prefill/decode pair when none is available before "
+                        "a 503 (default 0: at once)")
     p.add_argument("--transfer-id", action="store_true", help="also send transfer_id (newer vLLM push protocol)")
     p.add_argument("--log-level", default="INFO")

@@ -30,7 +30,8 @@ FAIL_FAST_SECONDS = 30.0
 
 @pytest.fixture(scope="module")
 def push(cluster, real_node, operator_release, module_namespace, reference) -> Deployed:
-    return deploy(cluster, real_node, module_namespace, "tiny-push", "push")
+    # Requests wait for a pair while the decode restarts (vLLM takes a minute to start on a shared core).
+    return deploy(cluster, real_node, module_namespace, "tiny-push", "push", router={"pairWaitSeconds": 240})
 
 
 def engine_pod(cluster, d: Deployed, role: str) -> Pod:
@@ -103,7 +104,10 @@ class Stream(Load):
 
         while not self.halt.is_set():
             start = time.monotonic()
-            status, resp = post(self.url, self.body, timeout=120)
+            try:
+                status, resp = post(self.url, self.body, timeout=300)
+            except OSError as e:  # refused, reset or timed out: a failed request as a client sees it
+                status, resp = 0, repr(e)
             with self._done:
                 self.results.append((status, f"{time.monotonic() - start:.1f}s {'' if status == 200 else resp}"))
                 self._done.notify_all()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -99,15 +100,44 @@ async def router_url():
             yield url, (prefill, decode)
 
 
-async def test_livez_answers_while_health_says_no_engines():
-    """A liveness probe on /livez never restarts a router whose engines are starting or gone; /health (readiness)
-    reports them."""
-    router = Router(EnginePool("push", lambda: []), Settings(mode="push"))
+async def test_probes_livez_always_readyz_once_synced_health_with_a_pair():
+    """Liveness (/livez) never depends on the engines, readiness (/readyz) only on having read the rendezvous once;
+    /health says whether a pair is up."""
+    synced = False
+    router = Router(EnginePool("push", lambda: []), Settings(mode="push"), synced=lambda: synced)
     async with serving(router.app()) as url, aiohttp.ClientSession() as s:
         async with s.get(url + "/health") as resp:
             assert resp.status == 503 and (await resp.json())["status"] == "no-engines"
         async with s.get(url + "/livez") as resp:
             assert resp.status == 200 and (await resp.json()) == {"status": "ok"}
+        async with s.get(url + "/readyz") as resp:
+            assert resp.status == 503 and (await resp.json()) == {"status": "syncing"}
+        synced = True
+        async with s.get(url + "/readyz") as resp:
+            assert resp.status == 200
+
+
+async def test_a_request_waits_for_a_pair_up_to_the_pair_wait():
+    """No pair: the request waits (an engine restarting) and is served when one appears; with none it gets a 503
+    after the wait, not before."""
+    prefill, decode = StubEngine("p-1", "prefill"), StubEngine("d-1", "decode")
+    engines: list = []
+    router = Router(EnginePool("push", lambda: engines), Settings(mode="push", pair_wait=2.0))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    async with stub_engines(prefill, decode), serving(router.app()) as url, aiohttp.ClientSession() as s:
+        start = time.monotonic()
+        async with s.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 503, await resp.text()
+        assert time.monotonic() - start >= 2.0
+
+        async def engines_appear() -> None:
+            await asyncio.sleep(0.5)
+            engines.extend([prefill.advertisement(), decode.advertisement()])
+
+        appear = asyncio.create_task(engines_appear())
+        async with s.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+        await appear
 
 
 async def _check_error(resp: aiohttp.ClientResponse, status: int, words: str) -> None:

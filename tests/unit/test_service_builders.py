@@ -18,8 +18,9 @@ def test_router_and_rendezvous():
     [c] = router["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "img:1"
     assert c["command"] == ["disagg", "router", "--mode", "push", "--rendezvous",
-                            "http://qwen-rendezvous.ml.svc:8080", "--port", "8000"]
-    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+                            "http://qwen-rendezvous.ml.svc:8080", "--port", "8000", "--pair-wait-seconds", "30"]
+    # Ready once it knows the engines, pair or not: an unready router would take the Service's endpoint away.
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     # Liveness never depends on the engines: a router restarted while they start would not help them.
     assert c["livenessProbe"]["httpGet"]["path"] == "/livez"
     assert c["resources"]["requests"] == {"cpu": "100m", "memory": "128Mi"}
