@@ -9,7 +9,7 @@ export DISAGG_CACHE
 VENV := $(CURDIR)/.venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-engines test-fast test-unit check lint typecheck imports tree generate venv binaries vllm images
+.PHONY: host-packages demo test test-engines test-fast test-unit check lint typecheck imports tree generate venv binaries vllm images
 
 demo: venv binaries vllm
 	$(BIN)/disagg demo
@@ -60,7 +60,15 @@ venv:
 	@test -x $(BIN)/python || python3 -m venv $(VENV)
 	@$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
 
-binaries: venv
+# Debian packages the real node needs: libseccomp-dev and pkg-config (runc's seccomp support is cgo), debootstrap
+# (the images' base filesystem), iptables (kube-proxy and the CNI bridge's masquerading). Installed once, as root.
+HOST_PACKAGES := libseccomp-dev pkg-config debootstrap iptables
+host-packages:
+	@missing=$$(for p in $(HOST_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then echo "installing $$missing"; \
+	  apt-get update -q >/dev/null; DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; fi
+
+binaries: venv host-packages
 	$(BIN)/disagg cluster build
 
 vllm: venv

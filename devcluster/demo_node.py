@@ -70,7 +70,7 @@ def _condition(obj: Any, ctype: str) -> dict[str, Any] | None:
     return next((c for c in conditions if c["type"] == ctype), None)
 
 
-def _follow(client: Client, name: str, timeout: float) -> None:
+def follow_ready(client: Client, name: str, timeout: float) -> None:
     """Print each change of the CR's Ready condition and of its pods' phases until Ready (or fail naming why)."""
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
@@ -100,7 +100,7 @@ def _follow(client: Client, name: str, timeout: float) -> None:
     raise DemoFailed(f"{name} not Ready within {timeout:.0f}s; `kubectl -n {NAMESPACE} describe pods`")
 
 
-def _service_url(client: Client, service: str) -> str:
+def service_url(client: Client, service: str) -> str:
     spec = client.get(Service, service, namespace=NAMESPACE).spec
     if spec is None or not spec.ports:
         raise DemoFailed(f"Service {NAMESPACE}/{service} has no ports")
@@ -113,19 +113,24 @@ def _get(url: str) -> str:
         return body.decode()
 
 
+def tiny_cr(images: dict[str, str], mounts: tuple[Path, ...], mode: str) -> dict[str, Any]:
+    """The tiny-cpu example as the dev cluster runs it: `tiny-<mode>`, the engine image's host mounts, the model
+    at its directory on the model volume."""
+    cr = workloads.on_dev_node(yaml.safe_load(EXAMPLE.read_text()), images["vllm-cpu"], mounts, name=f"tiny-{mode}",
+                               mode=mode)
+    cr["spec"]["model"]["source"]["pvc"]["path"] = f"/{tinymodel.model_dir().name}"
+    return cr
+
+
 def serve(c: LocalCluster, images: dict[str, str], mounts: tuple[Path, ...], mode: str) -> Result:
     client = c.client()
     name = f"tiny-{mode}"
-    cr = workloads.on_dev_node(yaml.safe_load(EXAMPLE.read_text()), images["vllm-cpu"], mounts, name=name,
-                               mode=mode)
-    model = tinymodel.model_dir()
-    cr["spec"]["model"]["source"]["pvc"]["path"] = f"/{model.name}"
     _say(f"{mode} mode: kubectl apply of {EXAMPLE.name} (cpu profile, 1 prefill + 1 decode, model from a PVC)")
-    _kubectl(c, "apply", "-n", NAMESPACE, "-f", "-", stdin=yaml.safe_dump(cr))
+    _kubectl(c, "apply", "-n", NAMESPACE, "-f", "-", stdin=yaml.safe_dump(tiny_cr(images, mounts, mode)))
     t0 = time.monotonic()
-    _follow(client, name, READY_TIMEOUT)
+    follow_ready(client, name, READY_TIMEOUT)
     _note(f"Ready after {time.monotonic() - t0:.0f}s (most of it vLLM starting in the engine pods)")
-    router = _service_url(client, names.router_name(name))
+    router = service_url(client, names.router_name(name))
     _say(f"{mode} mode: a streamed completion through the router Service {router} (greedy, {MAX_TOKENS} tokens)")
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
 

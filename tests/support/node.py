@@ -19,9 +19,11 @@ class Deployed:
     rendezvous_url: str
 
 
-def deploy(cluster, real_node, namespace: str, name: str, mode: str, timeout: float = 420, **overrides) -> Deployed:
+def deploy(cluster, real_node, namespace: str, name: str, mode: str, timeout: float = 420, wait: bool = True,
+           **overrides) -> Deployed | None:
     """Apply the tiny-cpu example (as on any cluster, plus the dev engine image's host mounts) with its model
-    volume, and wait until the operator reports it Ready."""
+    volume, and wait until the operator reports it Ready (unless not `wait`). `overrides` replace spec fields,
+    merged over the example's (a role's podTemplate over the host mounts)."""
     from lightkube.resources.core_v1 import Service
 
     from disagg.devcluster import tinymodel
@@ -37,9 +39,12 @@ def deploy(cluster, real_node, namespace: str, name: str, mode: str, timeout: fl
     cr = workloads.on_dev_node(yaml.safe_load(EXAMPLE.read_text()), real_node.images["vllm-cpu"],
                                engine.host_env().mounts, name=name, mode=mode)
     cr["spec"]["model"]["source"]["pvc"]["path"] = f"/{model.name}"
-    for key, value in overrides.items():
-        cr["spec"][key] = value
+    from disagg.operator.merge import deep_merge
+
+    cr["spec"] = deep_merge(cr["spec"], overrides)
     create(cluster, namespace, cr)
+    if not wait:
+        return None
     watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=timeout, what="Ready")
     def url(service: str) -> str:
         svc = cluster.client.get(Service, service, namespace=namespace)
