@@ -166,7 +166,7 @@ def serve(c: LocalCluster, images: dict[str, str], mounts: tuple[Path, ...], mod
 
 def _await_no_pods(client: Client, name: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
-    while client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name}):
+    while list(client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name})):  # (a lazy iterator)
         if time.monotonic() > deadline:
             raise DemoFailed(f"the pods of {name} did not go within {timeout:.0f}s")
         time.sleep(1)  # the next mode's engines need these cores

@@ -49,6 +49,7 @@ from .status import (
     WorkloadState,
     create_failure,
     pod_problems,
+    transport_behind,
     workload_state,
 )
 from .transport import TransportPoller
@@ -242,6 +243,8 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         # A refused child stays in Degraded (reconciler.apply_error) until a full pass applies every child.
         observed = observe(namespace, name, sts_index, deploy_index, pod_problem_index, report, sts_event_index,
                            reconciler.apply_error(key))
+        if cr.spec.uses_plugin and transport_behind(observed.prefill.ready + observed.decode.ready, report):
+            transports.request(key, force=True)  # its answer triggers a status pass (transport_changed)
         status = await reconciler.publish_status(cr, observed)
         event = reconciler.transport_event(key, cr.status, status) if status is not None else None
         if event is not None:

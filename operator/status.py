@@ -97,6 +97,13 @@ class TransportReport:
     error: str | None = None
 
 
+def transport_behind(ready_engines: int, report: TransportReport | None) -> bool:
+    """The rendezvous answer is older than what the pods show: more engines are Ready than it listed. Engines
+    advertise before their API server is up, so by the time a pod is Ready a fresh read lists it; reading again
+    then, instead of at the next periodic poll, keeps TransportVerified from lagging Ready by a poll interval."""
+    return report is not None and report.error is None and len(report.engines) < ready_engines
+
+
 @dataclass(frozen=True)
 class Observed:
     prefill: WorkloadState = field(default_factory=WorkloadState)

@@ -289,3 +289,14 @@ def test_failed_creation_and_refused_children_make_the_cr_degraded():
     assert st["Degraded"]["message"] == \
         "decode pod m-decode-0: no EFA (also: ApplyFailed, FailedCreate, TransportMismatch)"
     assert (st["Ready"]["reason"], st["Ready"]["message"]) == ("EngineFailed", "decode pod m-decode-0: no EFA")
+
+
+def test_transport_is_read_again_when_more_engines_are_ready_than_it_listed():
+    from disagg.operator.status import EngineTransport, TransportReport, transport_behind
+
+    one = TransportReport("http://r", engines=(EngineTransport("tiny-prefill-0", "prefill", "UCX"),))
+    assert transport_behind(2, TransportReport("http://r"))  # Ready pods, an answer from before they advertised
+    assert transport_behind(2, one)
+    assert not transport_behind(1, one)
+    assert not transport_behind(2, None)  # never asked: the regular request asks
+    assert not transport_behind(2, TransportReport("http://r", error="connection failed"))  # the poll retries
