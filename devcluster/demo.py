@@ -137,6 +137,8 @@ def _demo(keep: bool, real_node: bool) -> None:
         _say("status conditions")
         _kubectl(c, "get", "dinf", "qwen3-32b", "-o",
                  "jsonpath={range .status.conditions[*]}{.type}={.status} ({.reason}): {.message}{\"\\n\"}{end}")
+        print("    (kwok runs no containers: this deployment's rendezvous never answers, so TransportVerified stays "
+              "Unknown here; on the real node below it is verified)", flush=True)
         if real_node:
             assert c.node is not None
             _say("serving on the real node: the operator's own pods, real vLLM CPU engines (a tiny random Llama)")
