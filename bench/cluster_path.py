@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import pd_serving
 import yaml
 from pd_client import quantile, via
 from pd_serving import RESULTS, Arm, ArmResult, Config, Phase, log, parse_cells, per_request, run_arms
@@ -40,7 +41,8 @@ from disagg.devcluster.cluster import ClusterConfig, LocalCluster
 from disagg.devcluster.engines import install_plugin
 from disagg.operator import names
 
-ARMS = ("local-router-push", "cluster-router-push")
+ARMS = {"local-router-push": "local", "cluster-router-push": "cluster"}  # arm -> phase
+pd_serving.ARMS.update(ARMS)  # run_arms reads each arm's phase from there
 DEFAULT_CELLS = "256@1,1024@0.5"
 
 
