@@ -49,7 +49,7 @@ def test_tiny_cpu_example_fits_a_two_cpu_node_with_one_engine_per_core():
     cpu_millis = 0
     for role, core in (("prefill", "0"), ("decode", "1")):
         [c] = [c for c in pod(children, role, name)["spec"]["containers"] if c["name"] == "engine"]
-        assert c["resources"] == {"requests": {"cpu": "500m", "memory": "5Gi"}, "limits": {"memory": "5Gi"}}
+        assert c["resources"] == {"requests": {"cpu": "100m", "memory": "5Gi"}, "limits": {"memory": "5Gi"}}
         cpu_millis += 500
         env = env_of(c)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == core
