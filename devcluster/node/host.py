@@ -139,12 +139,13 @@ def mounts_under(roots: list[str]) -> list[str]:
 def kill_pod_processes(cgroups: list[str]) -> None:
     """SIGKILL every process in the given cgroup trees: containers the kubelet left when it was killed."""
     for cg in cgroups:
-        root = Path(cg)
-        if not root.exists():
-            continue
-        for procs in root.rglob("cgroup.procs"):
+        # os.walk, not Path.rglob: containers exiting meanwhile remove their cgroup directories under the walk,
+        # which rglob raises on (FileNotFoundError) and os.walk skips.
+        for directory, _dirs, files in os.walk(cg):
+            if "cgroup.procs" not in files:
+                continue
             try:
-                pids = procs.read_text().split()
+                pids = (Path(directory) / "cgroup.procs").read_text().split()
             except OSError:
                 continue
             for pid in pids:
@@ -157,8 +158,8 @@ def kill_pod_processes(cgroups: list[str]) -> None:
 def _remove_cgroup_tree(root: Path) -> list[str]:
     if not root.exists():
         return []
-    dirs = sorted((d for d in root.rglob("*") if d.is_dir()), key=lambda d: len(d.parts), reverse=True)
-    for d in [*dirs, root]:
+    dirs = [Path(d) for d, _subdirs, _files in os.walk(root, topdown=False)]  # deepest first; root last
+    for d in dirs:
         try:
             d.rmdir()
         except OSError:

@@ -121,12 +121,28 @@ class RealNode:
         return self
 
     def stop(self) -> list[str]:
-        """Stop every component and put the host back; return what could not be restored."""
+        """Stop every component and put the host back; return what could not be restored. The host is restored
+        even when a step before it fails (that failure is returned as a problem)."""
+        problems: list[str] = []
+        try:
+            self._stop_components()
+        except Exception as e:  # noqa: BLE001 - the host must be restored whatever went wrong before
+            problems.append(f"stopping the node's components: {type(e).__name__}: {e}")
+        if self._snapshot is not None:
+            problems += self._snapshot.restore()
+            snapshot_path().unlink(missing_ok=True)
+            self._snapshot = None
+        self._delete_node_object()
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+        return problems
+
+    def _stop_components(self) -> None:
         by_name = {p.name: p for p in self.processes}
         for name in ("coredns", "kube-proxy", "kubelet"):
             if name in by_name:
                 by_name[name].stop()
-        problems: list[str] = []
         if self._snapshot is not None:
             kill_pod_processes(self._snapshot.absent_cgroups)
         if "containerd" in by_name:
@@ -140,15 +156,6 @@ class RealNode:
         self.processes.clear()
         if "kube-proxy" in by_name:
             subprocess.run([str(self.bin / "kube-proxy"), "--cleanup"], capture_output=True)
-        if self._snapshot is not None:
-            problems = self._snapshot.restore()
-            snapshot_path().unlink(missing_ok=True)
-            self._snapshot = None
-        self._delete_node_object()
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
-        return problems
 
     # -- steps -------------------------------------------------------------------------------------------
     def _take_lock(self) -> None:

@@ -28,8 +28,10 @@ def real_node(cluster):
     if cluster.local is None:
         pytest.fail("the real-node tests start their own node: run them without DISAGG_TEST_KUBECONFIG")
     from disagg.devcluster.images import catalog
-    from disagg.devcluster.node.node import NodeSpec, default_spec
+    from disagg.devcluster.node.node import NodeSpec, default_spec, recover
 
+    # A node killed earlier left its changes and its snapshot: put the host back first, so `before` is the host.
+    assert recover() == []
     before = host.HostSnapshot.capture(cluster.local.dir / "node")
     spec: NodeSpec = default_spec(import_images=catalog.ensure_images)
     node = cluster.local.add_real_node(spec, progress=lambda m: print(m, file=sys.stderr, flush=True))

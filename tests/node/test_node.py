@@ -53,10 +53,21 @@ def test_pods_get_their_own_ips_and_reach_a_service_by_name(cluster, real_node, 
     server = _on_node("echo", image, ["python3", "-m", "http.server", "8080"], {"app": "echo"}, probe_port=8080)
     service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "echo"},
                "spec": {"selector": {"app": "echo"}, "ports": [{"port": 80, "targetPort": 8080}]}}
-    script = ("import socket, urllib.request; "
-              "print('kubernetes', socket.gethostbyname('kubernetes.default.svc.cluster.local')); "
-              "print('echo', socket.gethostbyname('echo')); "
-              "print('status', urllib.request.urlopen('http://echo/', timeout=10).status)")
+    # kube-proxy programs the Service's new endpoint a moment after the pod turns Ready (another process's
+    # state, nothing to watch from inside the pod): the client retries a refused connection for up to 30 s.
+    script = ("import socket, time, urllib.request\n"
+              "print('kubernetes', socket.gethostbyname('kubernetes.default.svc.cluster.local'))\n"
+              "print('echo', socket.gethostbyname('echo'))\n"
+              "deadline = time.monotonic() + 30\n"
+              "while True:\n"
+              "    try:\n"
+              "        status = urllib.request.urlopen('http://echo/', timeout=10).status\n"
+              "        break\n"
+              "    except OSError:\n"
+              "        if time.monotonic() > deadline:\n"
+              "            raise\n"
+              "        time.sleep(0.2)\n"
+              "print('status', status)\n")
     client_pod = _on_node("client", image, ["python3", "-c", script], restart="Never")
     for doc in (server, service):
         cluster.client.create(codecs.from_dict(doc), namespace=namespace)
