@@ -67,6 +67,26 @@ def host_address() -> str:
         return address
 
 
+def await_component(proc: Process, check: Callable[[], bool], what: str, timeout: float,
+                    transient: tuple[type[BaseException], ...] = (OSError, ValueError)) -> None:
+    """Poll `check` (another process's state: there is no event) until it holds; a `transient` error counts as
+    not yet. Raises ComponentFailed naming the component and its log if it exits first or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while time.monotonic() < deadline:
+        code = proc.exited()
+        if code is not None:
+            raise ComponentFailed(proc.name, f"exited with code {code} before becoming {what}", proc.log)
+        try:
+            if check():
+                return
+        except transient:
+            pass
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+    raise ComponentFailed(proc.name, f"not {what} after {timeout:.0f}s", proc.log)
+
+
 def die_with_parent() -> None:
     """preexec_fn for children that must not outlive this process, however it ends."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -208,20 +228,7 @@ class LocalCluster:
         return p
 
     def _await(self, proc: Process, check: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout
-        delay = 0.05
-        while time.monotonic() < deadline:
-            code = proc.exited()
-            if code is not None:
-                raise ComponentFailed(proc.name, f"exited with code {code} before becoming {what}", proc.log)
-            try:
-                if check():
-                    return
-            except (OSError, urllib.error.URLError, ValueError):
-                pass
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-        raise ComponentFailed(proc.name, f"not {what} after {self.config.startup_timeout:.0f}s", proc.log)
+        await_component(proc, check, what, self.config.startup_timeout)
 
     def _start_etcd(self, progress: Callable[[str], None]) -> None:
         client, peer = self.config.etcd_port or free_port(), free_port()

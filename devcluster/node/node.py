@@ -29,7 +29,7 @@ from lightkube import ApiError, codecs
 from lightkube.resources.core_v1 import Node
 
 from .. import build
-from ..cluster import ComponentFailed, Process, free_port
+from ..cluster import Process, await_component, free_port
 from ..pki import KeyPair, issue
 from . import config
 from .host import HostSnapshot, kill_pod_processes, processes_mentioning, write_sysctl
@@ -233,21 +233,9 @@ class RealNode:
         self.processes.append(p)
         return p
 
-    def _await(self, proc: Process, check: Callable[[], bool], what: str, timeout: float | None = None) -> None:
-        deadline = time.monotonic() + (timeout or self.spec.ready_timeout)
-        delay = 0.05
-        while time.monotonic() < deadline:
-            code = proc.exited()
-            if code is not None:
-                raise ComponentFailed(proc.name, f"exited with code {code} before becoming {what}", proc.log)
-            try:
-                if check():
-                    return
-            except (OSError, ValueError, ApiError, subprocess.CalledProcessError):
-                pass
-            time.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-        raise ComponentFailed(proc.name, f"not {what} after {timeout or self.spec.ready_timeout:.0f}s", proc.log)
+    def _await(self, proc: Process, check: Callable[[], bool], what: str) -> None:
+        await_component(proc, check, what, self.spec.ready_timeout,
+                        transient=(OSError, ValueError, ApiError, subprocess.CalledProcessError))
 
     def ctr(self) -> list[str]:
         return [str(self.bin / "ctr"), "--address", str(self.layout.containerd_socket), "--namespace", "k8s.io"]
