@@ -10,8 +10,16 @@ at a time (two cores hold two engines):
                        router pod -> engine pods (each in its own network namespace, the KV over the CNI bridge)
 
 Both pairs run the same engine settings (bf16, block size 128, --enforce-eager, 1 GiB KV cache, pinned one core
-each). The ratio cluster/local of TTFT p50 and p99 is reported per cell and as a geometric mean over cells, with
-bootstrap 90% intervals over requests. Goal: at most 1.05.
+each). The cluster runs for the whole benchmark, under both arms: the local arm's engines run while the CR's
+roles are scaled to 0, so both arms share the same background (control plane, kubelet, containerd). The arms
+alternate in ABBA rounds (local, cluster, cluster, local for two rounds); each round has its own seed, so a pair
+that serves two rounds in a row never meets a prompt twice (prefix cache). The ratio cluster/local of TTFT p50
+and p99 is reported per cell and as a geometric mean over cells, with bootstrap 90% intervals over requests.
+Goal: at most 1.05.
+
+Tails are attributed: bench/cpu_timeline.py samples every process's CPU twice a second for the whole run, and each
+cell records the cores each group (apiserver, etcd, kubelet, containerd, the operator, router, engines, …) used
+over the cell and while each of its five slowest requests waited for a first token.
 
   flock /tmp/disagg-engines.lock .venv/bin/python bench/cluster_path.py     # about 10 minutes warm
 Writes bench/results/cluster_path.json. `--quick` checks the harness with few requests.
@@ -27,45 +35,135 @@ import platform
 import random
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pd_serving
 import yaml
+from cpu_timeline import CpuTimeline, tail_attribution
+from lightkube import codecs
+from lightkube.types import PatchType
 from pd_client import quantile, via
 from pd_serving import RESULTS, Arm, ArmResult, Config, Phase, log, parse_cells, per_request, run_arms
 
-from disagg.devcluster import tinymodel, vllm_env
+from disagg.devcluster import demo, demo_node, tinymodel, vllm_env
 from disagg.devcluster.build import cache_dir
 from disagg.devcluster.cluster import ClusterConfig, LocalCluster
 from disagg.devcluster.engines import install_plugin
+from disagg.devcluster.images import engine
 from disagg.operator import names
+from disagg.operator.bindings import DinfResource
 
 ARMS = {"local-router-push": "local", "cluster-router-push": "cluster"}  # arm -> phase
 pd_serving.ARMS.update(ARMS)  # run_arms reads each arm's phase from there
 DEFAULT_CELLS = "256@1,1024@0.5"
 
 
-async def local_arm(cfg: Config, logs: Path) -> ArmResult:
-    python = vllm_env.ensure(quiet=True)
-    ph = Phase(python, tinymodel.ensure_model(python), logs, {}, install_plugin(logs / "plugin"))
-    try:
+class LocalPair:
+    """Today's local-process path: two engines as processes, `disagg rendezvous`, `disagg router --mode push`."""
+
+    arm = "local-router-push"
+
+    def __init__(self, logs: Path, timeout: float):
+        self.logs, self.timeout = logs, timeout
+        self.phase: Phase | None = None
+        self.url = ""
+
+    def up(self) -> None:
+        python = vllm_env.ensure(quiet=True)
+        ph = self.phase = Phase(python, tinymodel.ensure_model(python), self.logs, {},
+                                install_plugin(self.logs / "plugin"))
         ph.engine("local-push-prefill", "prefill", core=0, mode="push")
         ph.engine("local-push-decode", "decode", core=1, mode="push")
         ph.start_engines()
         ph.await_plugin("push")
-        url = ph.router("local-router", "push", "concurrent", ph.router_source("push"), cfg.timeout)
-        (result,) = await run_arms([Arm("local-router-push", "engines and router as local processes", via(url),
-                                        url + "/metrics", "push")], cfg)
-        return result
-    finally:
-        ph.stop()
+        self.url = ph.router("local-router", "push", "concurrent", ph.router_source("push"), self.timeout)
+
+    def down(self) -> None:
+        if self.phase is not None:
+            self.phase.stop()
+            self.phase = None
+
+    def arm_spec(self) -> Arm:
+        return Arm(self.arm, "engines and router as local processes", via(self.url), self.url + "/metrics", "push")
 
 
-async def cluster_arm(cfg: Config) -> tuple[ArmResult, dict]:
-    from disagg.devcluster import demo, demo_node
-    from disagg.devcluster.images import engine
+class ClusterPair:
+    """The product's path: the tiny-cpu example on the real node, reached through the router's Service.
 
+    The CR stays applied for the whole run; `down` scales both roles to 0 (so the local arm gets the cores)
+    and `up` back to 1, awaiting Ready. The router and rendezvous pods stay."""
+
+    arm = "cluster-router-push"
+
+    def __init__(self, cluster: LocalCluster):
+        self.c, self.client = cluster, cluster.client()
+        assert cluster.node is not None
+        self.cr = demo_node.tiny_cr(cluster.node.images, engine.host_env().mounts, "push")
+        self.cr["metadata"]["namespace"] = demo_node.NAMESPACE
+        self.name = self.cr["metadata"]["name"]
+        for role in ("prefill", "decode"):
+            self.cr["spec"][role]["replicas"] = 0
+        self.client.create(codecs.from_dict(self.cr))
+        self.url = ""
+
+    def _scale(self, n: int) -> None:
+        self.client.patch(DinfResource, self.name, {"spec": {"prefill": {"replicas": n}, "decode": {"replicas": n}}},
+                          namespace=demo_node.NAMESPACE, patch_type=PatchType.MERGE)
+
+    def up(self) -> None:
+        self._scale(1)
+        demo_node.follow_ready(self.client, self.name, demo_node.READY_TIMEOUT)
+        self.url = demo_node.service_url(self.client, names.router_name(self.name))
+
+    def down(self) -> None:
+        self._scale(0)
+        demo_node.await_engines_gone(self.client, self.name)
+
+    def arm_spec(self) -> Arm:
+        return Arm(self.arm, "the operator's pods on the real node, through the router Service", via(self.url),
+                   self.url + "/metrics", "push")
+
+
+def schedule(rounds: int) -> list[tuple[int, str]]:
+    """ABBA: (round, arm) in order, the arm that goes first alternating per round."""
+    order = list(ARMS)
+    return [(r, arm) for r in range(rounds) for arm in (order if r % 2 == 0 else order[::-1])]
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v, 1)
+
+
+def merge(segments: list[tuple[int, ArmResult]]) -> ArmResult:
+    """One arm's segments as one result: per cell, every round's requests (the statistics read only these)."""
+    first = segments[0][1]
+    out = ArmResult(first.arm, first.phase, first.description,
+                    warmup=[w for _, s in segments for w in s.warmup])
+    for i, cell in enumerate(first.cells):
+        rows = [s.cells[i] for _, s in segments if len(s.cells) > i]
+        merged = {"cell": cell["cell"], "planned": sum(c["planned"] for c in rows),
+                  "ok": sum(c["ok"] for c in rows), "failed": sum(c["failed"] for c in rows),
+                  "requests": [r for c in rows for r in c["requests"]]}
+        ttft = per_request(merged, "ttft")
+        merged["ttft"] = {"p50_ms": _ms(quantile(ttft, 0.5)), "p99_ms": _ms(quantile(ttft, 0.99)), "n": len(ttft)}
+        out.cells.append(merged)
+    return out
+
+
+def cell_cpu(timeline: CpuTimeline, cell: dict) -> dict:
+    """Where the CPU went during one cell: cores per group over the cell, and over each of its slowest requests'
+    wait for a first token (bench/cpu_timeline.py)."""
+    rows = [(r[0], r[7], r[2] / 1000) for r in cell["requests"] if r[1] and r[2] is not None]
+    if not rows:
+        return {"cell": cell["cell"]}
+    span = (min(sent for _, sent, _ in rows), max(sent + ttft for _, sent, ttft in rows))
+    return {"cell": cell["cell"], "cores": timeline.window(*span),
+            "slowest": tail_attribution(timeline, rows, top=5, cell=span)}
+
+
+async def run_segments(cfg: Config, logs: Path, rounds: int,
+                       timeline: CpuTimeline) -> tuple[dict[str, ArmResult], list[dict], dict]:
     t0 = time.monotonic()
     c = LocalCluster(ClusterConfig(name="bench-cluster-path", real_node=True))
     c.start(progress=lambda m: log(f"  {m}"))
@@ -73,19 +171,26 @@ async def cluster_arm(cfg: Config) -> tuple[ArmResult, dict]:
         assert c.node is not None
         demo._helm_install(c, c.node.images["disagg"])
         demo_node.prepare(c, c.node.spec.name)
-        cr = demo_node.tiny_cr(c.node.images, engine.host_env().mounts, "push")
-        cr["metadata"]["namespace"] = demo_node.NAMESPACE
-        client = c.client()
-        from lightkube import codecs
-
-        client.create(codecs.from_dict(cr))
-        demo_node.follow_ready(client, cr["metadata"]["name"], demo_node.READY_TIMEOUT)
+        pairs = {LocalPair.arm: LocalPair(logs, cfg.timeout), ClusterPair.arm: ClusterPair(c)}
         info = {"cluster_ready_s": round(time.monotonic() - t0, 1), "images": c.node.images}
-        url = demo_node.service_url(client, names.router_name(cr["metadata"]["name"]))
-        log(f"  router Service {url}")
-        (result,) = await run_arms([Arm("cluster-router-push", "the operator's pods on the real node, through the "
-                                        "router Service", via(url), url + "/metrics", "push")], cfg)
-        return result, info
+        results: dict[str, list[tuple[int, ArmResult]]] = {arm: [] for arm in ARMS}
+        segments, current = [], None
+        for r, arm in schedule(rounds):
+            if arm != current:
+                if current is not None:
+                    pairs[current].down()
+                log(f"round {r}: {arm} up")
+                pairs[arm].up()
+                current = arm
+            # A fresh seed per round: the same engines serve two rounds in a row, and repeated prompts would be
+            # prefix-cache hits. Within a round both arms get the same prompts and arrivals.
+            (result,) = await run_arms([pairs[arm].arm_spec()], replace(cfg, seed=cfg.seed + r))
+            results[arm].append((r, result))
+            segments.append({"round": r, "arm": arm, "result": asdict(result),
+                             "cpu": [cell_cpu(timeline, cell) for cell in result.cells]})
+        if current is not None:
+            pairs[current].down()
+        return {arm: merge(rs) for arm, rs in results.items()}, segments, info
     finally:
         c.stop()
 
@@ -132,21 +237,28 @@ async def main_async(args: argparse.Namespace) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     log(f"logs: {logs}")
     started = time.monotonic()
-    log("local path: engines, rendezvous and router as processes")
-    local = await local_arm(cfg, logs)
-    log("cluster path: the real node, the operator from its chart, the tiny-cpu example")
-    cluster, info = await cluster_arm(cfg)
+    timeline = CpuTimeline().start()
+    try:
+        arms, segments, info = await run_segments(cfg, logs, args.rounds, timeline)
+    finally:
+        timeline.stop()
+    local, cluster = arms["local-router-push"], arms["cluster-router-push"]
     return {
         "benchmark": "cluster_path", "issue": 13, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "note": "one pair at a time: prefill on core 0, decode on core 1; in the cluster arm the "
-                            "control plane, kubelet, containerd and the router pod share those cores"},
-        "config": {"cells": [c.name for c in cfg.cells], "requests_per_cell": cfg.requests,
-                   "max_tokens": cfg.max_tokens, "seed": cfg.seed, "warmup_requests": cfg.warmup,
-                   "order": "local arm first, then the cluster arm (each needs both cores)"},
+                    "note": "one pair at a time: prefill on core 0, decode on core 1; the cluster (control "
+                            "plane, kubelet, containerd, the operator, router and rendezvous pods) runs "
+                            "throughout, under both arms"},
+        "config": {"cells": [c.name for c in cfg.cells], "requests_per_cell_and_round": cfg.requests,
+                   "rounds": args.rounds, "max_tokens": cfg.max_tokens, "seed": cfg.seed,
+                   "warmup_requests": cfg.warmup,
+                   "order": "ABBA: " + ", ".join(f"{r}:{arm}" for r, arm in schedule(args.rounds)),
+                   "seeds": "seed + round: both arms of a round get the same prompts and arrivals"},
         "cluster": info,
+        "segments": segments,
         "arms": {"local-router-push": asdict(local), "cluster-router-push": asdict(cluster)},
         "headline": {"ttft_cluster_over_local": ratios(local, cluster)},
+        "cpu_timeline": timeline.to_json(),
         "elapsed_s": round(time.monotonic() - started, 1),
     }
 
@@ -154,7 +266,8 @@ async def main_async(args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", default=DEFAULT_CELLS, help="prompt tokens @ requests/s, comma-separated")
-    p.add_argument("--requests", type=int, default=60, help="requests per cell and arm")
+    p.add_argument("--requests", type=int, default=50, help="requests per cell, arm and round")
+    p.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each arm runs once per round)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--warmup", type=int, default=3)
@@ -163,7 +276,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS / "cluster_path.json")
     args = p.parse_args()
     if args.quick:
-        args.cells, args.requests, args.warmup = "256@1", 6, 1
+        args.cells, args.requests, args.warmup, args.rounds = "256@1", 6, 1, 2
     result = asyncio.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

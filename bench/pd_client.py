@@ -33,7 +33,8 @@ class Result:
     ttft: float | None = None
     e2e: float | None = None
     tokens: int = 0
-    handoff: float | None = None  # direct arms only
+    handoff: float | None = None  # direct arms (the client's) and our router's (its access log)
+    request_id: str | None = None  # the X-Request-Id a router answered with
     prefill: float | None = None  # direct arms only: send -> prefill response
 
 
@@ -76,6 +77,7 @@ def via(url: str) -> Sender:
     """A router or a plain engine: one streamed request."""
     async def send(session: aiohttp.ClientSession, body: dict, res: Result) -> None:
         async with session.post(url + "/v1/completions", json=body) as resp:
+            res.request_id = resp.headers.get("X-Request-Id")
             await _check(resp, "completion")
             await read_stream(resp, res)
     return send

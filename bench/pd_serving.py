@@ -27,9 +27,10 @@ router's milliseconds drown in the engines' stalls, so the stub phase measures t
 Per arm and cell (prompt tokens x arrival rate): TTFT p50/p99/mean, end-to-end p50/p99, handoff (prefill
 finished -> decode's first token) p50/p99/mean, achieved throughput (requests/s, output tokens/s), failures
 and timeouts (30 s per request by default), the CPU other users of the machine took, and every request's
-timings. Handoff is exact per request for the direct arms (measured here); for our router it
-comes from its `disagg_router_handoff_seconds` histogram (mean exact, quantiles interpolated within buckets);
-vllm-router does not expose when prefill finished, so its handoff is null.
+timings. Handoff is exact per request: for the direct arms measured here, for our router read from its access log
+(`--access-log`: prefill answered to first token relayed, matched to the client's request by X-Request-Id). Its
+`disagg_router_handoff_seconds` histogram is kept beside them (`router_handoff`) but never quoted. vllm-router
+does not expose when prefill finished, so its handoff is null.
 
 Prompts: seeded random lowercase text; the tiny model's byte-level tokenizer makes one character one token.
 Each arm's prompts start with an 8-character arm tag, so vLLM's prefix cache never serves one arm from
@@ -105,10 +106,10 @@ DEFINITIONS = {
               "(connector/router/pd_protocol.py); router overhead = router arm minus direct arm on the same engines",
     "stub": "the same paths against bench/stub_engine.py, which answers at once: the router's own cost without "
             "engine noise",
-    "handoff": "prefill finished to decode's first token. Direct arms: per request, client-side (prefill response "
-               "received to first decode chunk). Our router: its disagg_router_handoff_seconds histogram, quantiles "
-               "interpolated within buckets (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30 s), so values "
-               "under 10 ms (stub arms) only say 'under 10 ms'. vllm-router: not observable",
+    "handoff": "prefill finished to decode's first token, per request. Direct arms: client-side (prefill response "
+               "received to first decode chunk). Our router: its access log (prefill answered to first token "
+               "relayed). router_handoff is the router's histogram, quantiles interpolated within buckets, for "
+               "reference only. vllm-router: not observable",
     "throughput": "completed requests / (last completion - cell start); a zero-latency server reaches "
                   "planned / arrival_span_s",
     "ratios": "numerator/denominator of p50 and p99 per cell, for cells where both arms completed at least half "
@@ -193,7 +194,8 @@ def histogram_delta(before: dict, after: dict) -> dict:
             "source": "router histogram (quantiles interpolated within buckets)"}
 
 
-def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int) -> dict:
+def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int,
+              handoff_source: str = "client (prefill response to decode's first token)") -> dict:
     ok = [r for r in results if r.ok]
     errors = [r for r in results if not r.ok]
     timeouts = [r for r in errors if r.error and r.error.startswith("timeout")]
@@ -207,13 +209,16 @@ def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int) ->
         "throughput_rps": round(len(ok) / wall, 3) if wall > 0 else None,
         "output_tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
         "wall_s": round(wall, 2),
-        # [index, ok, TTFT ms, prefill-response ms (direct arms), end-to-end ms, output tokens, error]
-        "requests": [[r.idx, r.ok, ms(r.ttft), ms(r.prefill), ms(r.e2e), r.tokens, r.error]
+        # [index, ok, TTFT ms, prefill-response ms (direct arms), end-to-end ms, output tokens, error,
+        #  sent (time.monotonic s: comparable with a bench/cpu_timeline.py sample of the same run),
+        #  handoff ms (direct arms: the client's; our router: its access log)]
+        "requests": [[r.idx, r.ok, ms(r.ttft), ms(r.prefill), ms(r.e2e), r.tokens, r.error, round(r.sent, 3),
+                      ms(r.handoff)]
                      for r in sorted(results, key=lambda r: r.idx)],
     }
     handoffs = [r.handoff for r in ok if r.handoff is not None]
     if handoffs:
-        out["handoff"] = {**dist(handoffs), "source": "client (prefill response to decode's first token)"}
+        out["handoff"] = {**dist(handoffs), "source": handoff_source}
         out["prefill"] = dist([r.prefill for r in ok if r.prefill is not None])
     return out
 
@@ -222,10 +227,28 @@ def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int) ->
 def our_router(name: str, mode: str, dispatch: str, source: list[str], logs: Path,
                timeout: float) -> tuple[HttpChild, str]:
     """`source`: ["--rendezvous", URL] (engines with the plugin) or ["--engines-file", PATH]."""
+    access_log = logs / f"{name}.access.jsonl"
     p = DisaggService(name, ["router", "--mode", mode, "--dispatch", dispatch, *source, "--request-timeout",
-                             str(timeout), "--log-level", "WARNING"], logs).start()
+                             str(timeout), "--log-level", "WARNING", "--access-log", str(access_log)], logs).start()
     p.wait_http(p.url + "/health", timeout=60)  # 200 once the probes see a healthy pair
+    ROUTER_ACCESS_LOGS[p.url] = access_log
     return p, p.url
+
+
+ROUTER_ACCESS_LOGS: dict[str, Path] = {}
+"""Our routers' access logs (connector/router/access_log.py), by router URL: each request's exact handoff."""
+
+
+def access_log_handoffs(path: Path, offset: int) -> dict[str, float]:
+    """Request id -> handoff seconds, from the lines an access log gained after `offset` bytes."""
+    out = {}
+    with path.open("rb") as f:
+        f.seek(offset)
+        for raw in f:
+            line = json.loads(raw)
+            if line.get("request_id") and line.get("handoff_ms") is not None:
+                out[line["request_id"]] = line["handoff_ms"] / 1000
+    return out
 
 
 def vllm_router_python() -> Path:
@@ -300,6 +323,8 @@ async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell:
     reqs = workload(cell, cfg.requests, cfg.seed)
     tag = arm_tag(arm, cell)
     before = await scrape(session, metrics_url) if metrics_url else None
+    access_log = ROUTER_ACCESS_LOGS.get(metrics_url.removesuffix("/metrics")) if metrics_url else None
+    log_offset = access_log.stat().st_size if access_log and access_log.exists() else 0
     results: list[Result] = []
     abort = asyncio.Event()
 
@@ -319,7 +344,14 @@ async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell:
     cpu1 = cpu_sample()
     ends = [r.sent + (r.e2e or 0) for r in results]
     wall = (max(ends) - t0) if ends else 0.0
-    summary = summarize(cell, results, wall, len(reqs))
+    source = None
+    if access_log is not None and access_log.exists():
+        handoffs = access_log_handoffs(access_log, log_offset)
+        for r in results:
+            if r.ok and r.request_id in handoffs:
+                r.handoff = handoffs[r.request_id]
+        source = "our router's access log (per request: prefill answered to first token relayed)"
+    summary = summarize(cell, results, wall, len(reqs), *([source] if source else []))
     summary["arrival_span_s"] = reqs[-1].arrival  # planned/arrival_span: the throughput of a zero-latency server
     elapsed = time.monotonic() - t0
     busy, ours = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
@@ -338,9 +370,6 @@ async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell:
         early = [counter(t, "disagg_router_decode_before_prefill_done_total", mode) for t in (before, after)]
         legs = [counter(t, "disagg_router_decode_legs_total", mode) for t in (before, after)]
         summary["decode_before_prefill_done"] = f"{int(early[1] - early[0])}/{int(legs[1] - legs[0])}"
-        if "handoff" not in summary and summary["ok"] and summary["router_handoff"]["n"]:
-            # The router observes every first token, also of requests that failed later in their stream.
-            summary["handoff"] = summary["router_handoff"]
     t, h = summary["ttft"], summary.get("handoff") or {}
     log(f"  {arm} {cell.name}: ok {summary['ok']}/{summary['planned']} ttft p50 {t['p50_ms']} p99 {t['p99_ms']} ms, "
         f"handoff p50 {h.get('p50_ms')} ms, {summary['throughput_rps']} req/s, foreign cpu "
@@ -636,11 +665,16 @@ def table(arms: dict[str, ArmResult]) -> list[dict]:
 
 
 def per_request(cell: dict | None, metric: str) -> list[float]:
-    """Successful requests' TTFT or (direct arms) handoff in ms, from the cell's request rows."""
+    """Successful requests' TTFT or handoff in ms, from the cell's request rows (results written before rows had
+    a handoff column: the direct arms' TTFT minus prefill)."""
     rows = [r for r in (cell or {}).get("requests", []) if r[1] and r[2] is not None]
     if metric == "ttft":
         return [r[2] for r in rows]
-    return [max(0.0, r[2] - r[3]) for r in rows if r[3] is not None] if metric == "handoff" else []
+    if metric != "handoff":
+        return []
+    if rows and len(rows[0]) > 8:
+        return [r[8] for r in rows if r[8] is not None]
+    return [max(0.0, r[2] - r[3]) for r in rows if r[3] is not None]
 
 
 def bootstrap_ci(samples: list[tuple[list[float], list[float]]], rng: random.Random, n: int = 2000) -> list[float]:

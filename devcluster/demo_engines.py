@@ -136,6 +136,24 @@ def _logged(engine: LocalEngine, needle: str) -> str | None:
     return next((line for line in text[text.rfind("=== start "):].splitlines() if needle in line), None)
 
 
+def traced_request(router: str, mode: str,
+                   show: Callable[[str], None]) -> tuple[str, Timing, tuple[str, str]]:
+    """One greedy streamed completion of PROMPT through a router: its text, its timing (the handoff from the
+    router's metrics, so only when no other request ran meanwhile), and the (prefill, decode) that served it."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+    def handoffs() -> tuple[float, float]:
+        metrics = _get(router + "/metrics")[1].decode()
+        return (sample_sum(metrics, "disagg_router_handoff_seconds_count", mode=mode),
+                sample_sum(metrics, "disagg_router_handoff_seconds_sum", mode=mode))
+
+    n0, sum0 = handoffs()
+    text, ttft, total, headers = stream(router + "/v1/completions", body, show)
+    n1, sum1 = handoffs()
+    return text, Timing(ttft, total, sum1 - sum0 if n1 - n0 == 1 else None), \
+        (headers.get(PREFILL_HEADER, "?"), headers.get(DECODE_HEADER, "?"))
+
+
 def stream(url: str, body: dict[str, object], on_text: Callable[[str], None],
            timeout: float = 60) -> tuple[str, float, float, dict[str, str]]:
     """POST a streamed completion; call `on_text` per chunk. Returns (text, ttft, total, response headers)."""
@@ -220,24 +238,10 @@ def _serve_one(mode: str, python: Path, model: Path, plugin_dir: Path, rendezvou
 
         _say(f"{mode} mode: a streamed completion through the router (greedy, {MAX_TOKENS} tokens), then again")
         _note(f"prompt: {PROMPT.strip()!r}")
-        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-
-        def handoffs() -> tuple[float, float]:
-            metrics = _get(router.url + "/metrics")[1].decode()
-            return (sample_sum(metrics, "disagg_router_handoff_seconds_count", mode=mode),
-                    sample_sum(metrics, "disagg_router_handoff_seconds_sum", mode=mode))
-
-        def one(show: Callable[[str], None]) -> tuple[str, Timing, tuple[str, str]]:
-            n0, sum0 = handoffs()
-            text, ttft, total, headers = stream(router.url + "/v1/completions", body, show)
-            n1, sum1 = handoffs()
-            return text, Timing(ttft, total, sum1 - sum0 if n1 - n0 == 1 else None), \
-                (headers.get(PREFILL_HEADER, "?"), headers.get(DECODE_HEADER, "?"))
-
         print("    answer: ", end="", flush=True)
-        text, first, served = one(lambda t: print(printable(t), end="", flush=True))
+        text, first, served = traced_request(router.url, mode, lambda t: print(printable(t), end="", flush=True))
         print(flush=True)
-        again, warm, served_again = one(lambda _t: None)
+        again, warm, served_again = traced_request(router.url, mode, lambda _t: None)
         _note("(random weights: the text is noise; greedy decoding makes it the same in every mode)")
         _note(TIMING_HEADER)
         _note(timing_row("first request", first))

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import time
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,22 +20,18 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Namespace, PersistentVolume, Pod, Service
 
-from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER
 from disagg.operator import api, names
 
 from . import tinymodel
 from .cluster import LocalCluster
 from .demo_engines import (
     MAX_TOKENS,
-    PROMPT,
     TIMING_HEADER,
     DemoFailed,
     Result,
-    Timing,
     printable,
-    sample_sum,
-    stream,
     timing_row,
+    traced_request,
 )
 from .node import models, workloads
 
@@ -107,12 +101,6 @@ def service_url(client: Client, service: str) -> str:
     return f"http://{spec.clusterIP}:{spec.ports[0].port}"
 
 
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        body: bytes = r.read()
-        return body.decode()
-
-
 def tiny_cr(images: dict[str, str], mounts: tuple[Path, ...], mode: str) -> dict[str, Any]:
     """The tiny-cpu example as the dev cluster runs it: `tiny-<mode>`, the engine image's host mounts, the model
     at its directory on the model volume."""
@@ -132,24 +120,10 @@ def serve(c: LocalCluster, images: dict[str, str], mounts: tuple[Path, ...], mod
     _note(f"Ready after {time.monotonic() - t0:.0f}s (most of it vLLM starting in the engine pods)")
     router = service_url(client, names.router_name(name))
     _say(f"{mode} mode: a streamed completion through the router Service {router} (greedy, {MAX_TOKENS} tokens)")
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-
-    def handoffs() -> tuple[float, float]:
-        metrics = _get(router + "/metrics")
-        return (sample_sum(metrics, "disagg_router_handoff_seconds_count", mode=mode),
-                sample_sum(metrics, "disagg_router_handoff_seconds_sum", mode=mode))
-
-    def one(show: Callable[[str], None]) -> tuple[str, Timing, tuple[str, str]]:
-        n0, sum0 = handoffs()
-        text, ttft, total, headers = stream(router + "/v1/completions", body, show)
-        n1, sum1 = handoffs()
-        return text, Timing(ttft, total, sum1 - sum0 if n1 - n0 == 1 else None), \
-            (headers.get(PREFILL_HEADER, "?"), headers.get(DECODE_HEADER, "?"))
-
     print("    answer: ", end="", flush=True)
-    text, first, served = one(lambda t: print(printable(t), end="", flush=True))
+    text, first, served = traced_request(router, mode, lambda t: print(printable(t), end="", flush=True))
     print(flush=True)
-    again, warm, _ = one(lambda _t: None)
+    again, warm, _ = traced_request(router, mode, lambda _t: None)
     _note(TIMING_HEADER)
     _note(timing_row("first request", first))
     _note(timing_row("again (warm)", warm, "same answer" if again == text else f"DIFFERENT: {printable(again)!r}"))
@@ -165,11 +139,22 @@ def serve(c: LocalCluster, images: dict[str, str], mounts: tuple[Path, ...], mod
 
 
 def _await_no_pods(client: Client, name: str, timeout: float = 120) -> None:
+    _await_gone(client, {names.LABEL_INSTANCE: name}, f"the pods of {name}", timeout)
+
+
+def await_engines_gone(client: Client, name: str, timeout: float = 120) -> None:
+    """Until no engine pod of the CR `name` exists (after scaling its roles to 0): their cores are free."""
+    for role in names.ENGINE_ROLES:
+        _await_gone(client, names.selector_labels(name, role), f"the {role} pods of {name}", timeout)
+
+
+def _await_gone(client: Client, labels: dict[str, str], what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while list(client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name})):  # (a lazy iterator)
+    selector: dict[str, Any] = dict(labels)
+    while list(client.list(Pod, namespace=NAMESPACE, labels=selector)):  # (a lazy iterator)
         if time.monotonic() > deadline:
-            raise DemoFailed(f"the pods of {name} did not go within {timeout:.0f}s")
-        time.sleep(1)  # the next mode's engines need these cores
+            raise DemoFailed(f"{what} did not go within {timeout:.0f}s")
+        time.sleep(1)  # the next engines need these cores
 
 
 def prepare(c: LocalCluster, node: str) -> None:

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from ..wire.advertisement import EngineAdvertisement
 from . import pd_protocol as pd
+from .access_log import AccessLog, Attempt
 from .engine_pool import EnginePool
 
 if TYPE_CHECKING:
@@ -64,6 +65,9 @@ class Metrics:
                                        ["role", "kind"], registry=r)
         self.retries = Counter("disagg_router_prefill_retries_total", "Requests retried on another prefill",
                                registry=r)
+        self.decode_retries = Counter("disagg_router_decode_retries_total",
+                                      "Requests retried on another pair after their decode engine failed before "
+                                      "answering (a stopping or dead decode)", registry=r)
         self.engines = Gauge("disagg_router_engines", "Engines known, by role and state", ["role", "state"],
                              registry=r)
 
@@ -78,13 +82,15 @@ class UpstreamFailed(Exception):
     def client_error(self) -> bool:
         return self.status is not None and 400 <= self.status < 500 and self.status not in (404, 408, 429)
 
+    @property
+    def retryable(self) -> bool:
+        """Worth one more attempt on another pair: raised before the client got any of the answer (a failure
+        after that ends the stream instead), and not a timeout (the client has waited that long already).
 
-@dataclass
-class Timeline:
-    start: float = field(default_factory=time.monotonic)
-    prefill_done: float | None = None
-    decode_sent: float | None = None
-    first_token: float | None = None
+        A decode that fails this early is usually stopping (vLLM answers 500 once its shutdown began, before its
+        engine has left the rendezvous) or gone; the retry runs both legs again with a new request id, so
+        nothing of the first attempt's KV is reused."""
+        return not self.client_error and self.kind != "TimeoutError"
 
 
 @dataclass
@@ -98,14 +104,17 @@ class Settings:
 
 
 PAIR_POLL_SECONDS = 0.1
+ERROR_KEY = web.ResponseKey("disagg_error", str)
+"""Where an error response keeps its message for the access log."""
 
 
 class Router:
     def __init__(self, pool: EnginePool, settings: Settings, metrics: Metrics | None = None,
-                 synced: Callable[[], bool] = lambda: True):
+                 synced: Callable[[], bool] = lambda: True, access_log: AccessLog | None = None):
         self.pool, self.s, self.m = pool, settings, metrics or Metrics()
         self.session: aiohttp.ClientSession | None = None
         self.synced = synced  # the engine source has been read once (the rendezvous' first snapshot)
+        self.access_log = access_log
 
     async def _await_pair(self, exclude: AbstractSet[str]) -> tuple[EngineAdvertisement, EngineAdvertisement] | None:
         """A pair now, or within `pair_wait` seconds (an engine restarting, the rendezvous re-learning its engines
@@ -136,7 +145,7 @@ class Router:
             raise UpstreamFailed(role, engine.engine_id, type(e).__name__, str(e) or "timeout") from e
 
     async def _open_decode(self, engine: EngineAdvertisement, path: str, body: dict[str, Any], rid: str,
-                           tl: Timeline) -> aiohttp.ClientResponse:
+                           tl: Attempt) -> aiohttp.ClientResponse:
         assert self.session is not None
         trace = {"tl": tl}
         try:
@@ -156,14 +165,32 @@ class Router:
 
     # -- one request -------------------------------------------------------------------------------------
     async def serve(self, request: web.Request, endpoint: pd.Endpoint) -> web.StreamResponse:
+        """One client request, and its access-log record whatever the outcome."""
+        if self.access_log is None:
+            return await self._serve(request, endpoint, [])
+        wall, received = time.time(), time.monotonic()
+        attempts: list[Attempt] = []
+        error: str | None
+        status, error = 499, "client disconnected"  # nginx's code for a client that closed first
+        try:
+            resp = await self._serve(request, endpoint, attempts)
+            status, error = resp.status, resp.get(ERROR_KEY)
+            return resp
+        finally:
+            self.access_log.record(time=wall, received=received, done=time.monotonic(), endpoint=endpoint,
+                                   mode=self.s.mode, status=status, attempts=len(attempts),
+                                   last=attempts[-1] if attempts else None, error=error)
+
+    async def _serve(self, request: web.Request, endpoint: pd.Endpoint,
+                     attempts: list[Attempt]) -> web.StreamResponse:
         try:
             body = pd.validate_client_body(endpoint, pd.parse_client_json(await _read_body(request)))
         except pd.BadRequest as e:
             return self._error(endpoint, e.status, str(e))
         tried: set[str] = set()
         last: UpstreamFailed | None = None
-        for attempt in range(2):
-            pair = await self._await_pair(tried) if attempt == 0 else self.pool.choose(exclude=tried)
+        for _ in range(2):
+            pair = await self._await_pair(tried)
             if pair is None:
                 break
             prefill, decode = pair
@@ -173,17 +200,19 @@ class Router:
                 # Refused here, not by the engines: in push mode a decode leg rejected after prefill has
                 # started leaves vLLM 0.32's push state wedged for the next request.
                 return self._error(endpoint, 400, f"max_tokens={wanted} exceeds the model's max_model_len={limit}")
-            if attempt:
-                self.m.retries.inc()
+            if last is not None:
+                (self.m.retries if last.role == "prefill" else self.m.decode_retries).inc()
+            attempt = Attempt(uuid.uuid4().hex, prefill.engine_id, decode.engine_id, time.monotonic())
+            attempts.append(attempt)
             try:
-                return await self._one(request, endpoint, body, prefill, decode)
+                return await self._one(request, endpoint, body, prefill, decode, attempt)
             except UpstreamFailed as e:
                 self.m.upstream_errors.labels(role=e.role, kind=e.kind).inc()
                 log.warning("%s", e)
                 last = e
                 if e.client_error:
                     return self._error(endpoint, e.status or 400, _message(e.body) or str(e))
-                if e.role != "prefill":
+                if not e.retryable:
                     break
                 tried.add(e.engine_id)
                 if e.kind != "status":
@@ -196,9 +225,8 @@ class Router:
         return self._error(endpoint, 502, f"upstream failure: {last}")
 
     async def _one(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any],
-                   prefill: EngineAdvertisement, decode: EngineAdvertisement) -> web.StreamResponse:
-        rid = uuid.uuid4().hex
-        path, tl = PATHS[endpoint], Timeline()
+                   prefill: EngineAdvertisement, decode: EngineAdvertisement, tl: Attempt) -> web.StreamResponse:
+        rid, path = tl.request_id, PATHS[endpoint]
         self.pool.outstanding[prefill.engine_id] += 1
         self.pool.outstanding[decode.engine_id] += 1
         prefill_task: asyncio.Task[Any] | None = None
@@ -236,7 +264,7 @@ class Router:
             self.pool.outstanding[decode.engine_id] -= 1
 
     async def _relay(self, request: web.Request, endpoint: str, resp: aiohttp.ClientResponse,
-                     tl: Timeline, served: dict[str, str]) -> web.StreamResponse:
+                     tl: Attempt, served: dict[str, str]) -> web.StreamResponse:
         mode = self.s.mode
         out: web.StreamResponse | None = None
         try:
@@ -278,7 +306,7 @@ class Router:
         finally:
             resp.release()
 
-    def _observe(self, tl: Timeline) -> None:
+    def _observe(self, tl: Attempt) -> None:
         assert tl.first_token is not None
         self.m.ttft.labels(mode=self.s.mode).observe(tl.first_token - tl.start)
         if tl.prefill_done is not None:
@@ -286,7 +314,9 @@ class Router:
 
     def _error(self, endpoint: str, status: int, message: str) -> web.Response:
         self.m.requests.labels(mode=self.s.mode, endpoint=endpoint, status=str(status)).inc()
-        return error_response(status, message)
+        resp = error_response(status, message)
+        resp[ERROR_KEY] = message
+        return resp
 
     # -- the app -----------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -444,7 +474,8 @@ def build(args: argparse.Namespace) -> tuple[Router, list[tuple[EngineCache, Ren
                         request_timeout=args.request_timeout, transfer_id=args.transfer_id,
                         pair_wait=args.pair_wait_seconds)
     synced = tasks[0][0].synced.is_set if tasks else lambda: True
-    return Router(EnginePool(args.mode, source), settings, synced=synced), tasks
+    access_log = AccessLog.open(args.access_log) if args.access_log else None
+    return Router(EnginePool(args.mode, source), settings, synced=synced, access_log=access_log), tasks
 
 
 def main(args: argparse.Namespace) -> None:

@@ -40,9 +40,11 @@ class EnginePool:
         return [e for e in self.engines() if e.role == role and e.engine_id not in self.down]
 
     def choose(self, exclude: AbstractSet[str] = frozenset()) -> tuple[EngineAdvertisement, EngineAdvertisement] | None:
-        """Least outstanding work first: the decode engine, then a compatible prefill engine."""
+        """Least outstanding work first: the decode engine, then a compatible prefill engine; never an engine in
+        `exclude` (those a request already failed on)."""
         prefills = [p for p in self.healthy("prefill") if p.engine_id not in exclude]
-        for decode in sorted(self.healthy("decode"), key=lambda e: (self.outstanding[e.engine_id], e.engine_id)):
+        decodes = [d for d in self.healthy("decode") if d.engine_id not in exclude]
+        for decode in sorted(decodes, key=lambda e: (self.outstanding[e.engine_id], e.engine_id)):
             matches = [p for p in prefills if compatible(p, decode)]
             if matches:
                 return min(matches, key=lambda e: (self.outstanding[e.engine_id], e.engine_id)), decode

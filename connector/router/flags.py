@@ -22,4 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a request waits for a healthy prefill/decode pair when none is available before "
                         "a 503 (default 0: at once)")
     p.add_argument("--transfer-id", action="store_true", help="also send transfer_id (newer vLLM push protocol)")
+    p.add_argument("--access-log", metavar="PATH",
+                   help="append one JSON line per request with its exact timings (connector/router/access_log.py); "
+                        "'-' for standard output")
     p.add_argument("--log-level", default="INFO")

@@ -1,9 +1,11 @@
 """The router's retry: a failed prefill cancels the decode leg and the request is retried once, on another
-prefill engine. A router on 127.0.0.1 in front of stand-in engines (tests/support/stub_engines.py): the
-decode stand-in waits for its KV on a board the prefill stand-ins post to, as a push-mode decode waits for
-prefill's WRITE, so a decode leg whose prefill failed hangs until the router cancels it."""
+prefill engine; a decode that fails before the client got anything is retried once on another pair. A router on
+127.0.0.1 in front of stand-in engines (tests/support/stub_engines.py): the decode stand-in waits for its KV on a
+board the prefill stand-ins post to, as a push-mode decode waits for prefill's WRITE, so a decode leg whose
+prefill failed hangs until the router cancels it."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -120,15 +122,71 @@ async def test_pull_sends_decode_only_after_a_good_prefill_with_its_params_uncha
 
 
 @pytest.mark.timeout(30)
-async def test_a_failed_decode_is_not_retried():
-    """Only a prefill failure is retried: by the time decode fails, prefill's KV went to that decode engine."""
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_that_fails_before_answering_is_retried_once_on_another_pair(stream):
+    """A stopping vLLM answers 500 before its engine has left the rendezvous: the request runs again, both legs
+    with a new id, on a pair without that decode. The client sees one 200."""
+    board = KvBoard()
+    p_a = StubEngine("p-a", "prefill", board=board)
+    d_1, d_2 = StubEngine("d-1", "decode", board=None), StubEngine("d-2", "decode", board=board)
+    d_1.decode_status = 500
+    async with stub_engines(p_a, d_1, d_2):
+        engines = [p_a.advertisement(), d_1.advertisement(), d_2.advertisement()]
+        router = Router(EnginePool("push", lambda: engines), Settings(mode="push"))
+        async with serving(router.app()) as url:
+            status, headers, body = await post(url, stream)
+    assert status == 200, body
+    assert (headers[PREFILL_HEADER], headers[DECODE_HEADER]) == ("p-a", "d-2")
+    [failed], [served] = d_1.legs, d_2.legs
+    assert [leg.request_id for leg in p_a.legs] == [failed.request_id, served.request_id]
+    assert served.request_id != failed.request_id == p_a.legs[0].request_id
+    assert metric(router, "disagg_router_decode_retries_total") == 1
+    assert metric(router, "disagg_router_prefill_retries_total") == 0
+    assert metric(router, "disagg_router_upstream_errors_total", role="decode", kind="status") == 1
+    assert "d-1" not in router.pool.down  # it answered: its probes decide whether it stays
+
+
+@pytest.mark.timeout(30)
+async def test_the_retry_waits_for_a_pair_as_the_first_attempt_does():
+    """1P1D while the decode pod is replaced: the old decode refuses, and the request waits (pairWaitSeconds) for
+    the new decode to be advertised instead of failing."""
+    board = KvBoard()
+    p_a = StubEngine("p-a", "prefill", board=board)
+    old, new = StubEngine("d-old", "decode", board=None), StubEngine("d-new", "decode", board=board)
+    old.decode_status = 500
+    async with stub_engines(p_a, old, new):
+        engines = [p_a.advertisement(), old.advertisement()]
+        router = Router(EnginePool("push", lambda: engines), Settings(mode="push", pair_wait=10))
+        async with serving(router.app()) as url:
+            request = asyncio.create_task(post(url))
+            await old.wait_for(lambda: len(old.legs) == 1)
+            engines[1:] = [new.advertisement()]  # the old engine leaves the rendezvous, the new one arrives
+            status, headers, body = await request
+    assert status == 200, body
+    assert headers[DECODE_HEADER] == "d-new"
+    assert metric(router, "disagg_router_decode_retries_total") == 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_failed_decode_with_no_other_pair_is_a_502_after_one_attempt():
     async with deployment("push") as (url, router, p_a, p_b, d_1):
         d_1.board = None
         d_1.decode_status = 500
         status, _, body = await post(url)
         assert status == 502 and b"decode engine d-1" in body
         assert (len(p_a.legs), len(p_b.legs), len(d_1.legs)) == (1, 0, 1)
-        assert metric(router, "disagg_router_prefill_retries_total") == 0
+        assert metric(router, "disagg_router_decode_retries_total") == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_decode_that_refuses_the_request_is_not_retried():
+    async with deployment("push") as (url, router, p_a, p_b, d_1):
+        d_1.board = None
+        d_1.decode_status = 400
+        status, _, body = await post(url)
+        assert status == 400 and b"stand-in d-1 fails" in body
+        assert len(d_1.legs) == 1
+        assert metric(router, "disagg_router_decode_retries_total") == 0
 
 
 @pytest.mark.timeout(30)
@@ -145,4 +203,5 @@ async def test_a_decode_that_dies_mid_stream_ends_the_stream_with_an_error_event
         assert events[1]["error"]["code"] == 502 and "decode engine d-1" in events[1]["error"]["message"]
         assert len(events) == 2
         assert metric(router, "disagg_router_upstream_errors_total", role="decode", kind="ClientPayloadError") == 1
+        assert metric(router, "disagg_router_decode_retries_total") == 0
         assert metric(router, "disagg_router_prefill_retries_total") == 0

@@ -1,0 +1,67 @@
+"""The router's per-request record: one JSON line per request, for benchmarks to read exact per-request figures
+(the KV handoff above all) instead of interpolating histogram buckets.
+
+A line (`--access-log PATH`, `-` for standard output) has:
+- `time`: when the router received the request (seconds since the epoch);
+- `request_id`: the `X-Request-Id` both legs of the last attempt carried (also a response header), or null when
+  no attempt was made (a refused body, no pair);
+- `endpoint`, `mode`, `status` (the HTTP status the client got), `attempts` (legs sent: 0, 1 or 2);
+- `prefill`, `decode`: the engines of the last attempt;
+- `ms`: milliseconds from receipt, on one monotonic clock, of the last attempt's `start`, `prefill_done`
+  (prefill answered), `decode_sent` (decode's request headers written), `first_token` (first token relayed) and
+  `done` (the answer finished); absent ones are null;
+- `handoff_ms`: `first_token` minus `prefill_done`, the KV handoff, when both are known;
+- `error`: the last upstream failure, when the request was not served.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+
+@dataclass
+class Attempt:
+    """One try of a request on one pair. Times are time.monotonic(); None until they happen."""
+
+    request_id: str
+    prefill: str
+    decode: str
+    start: float
+    prefill_done: float | None = None
+    decode_sent: float | None = None
+    first_token: float | None = None
+
+
+class AccessLog:
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    @classmethod
+    def open(cls, path: str) -> AccessLog:
+        """Appends to `path` line-buffered, so each record is written whole as the request ends."""
+        return cls(sys.stdout if path == "-" else open(path, "a", buffering=1, encoding="utf-8"))  # noqa: SIM115
+
+    def record(self, *, time: float, received: float, done: float, endpoint: str, mode: str, status: int,
+               attempts: int, last: Attempt | None, error: str | None) -> None:
+        def ms(t: float | None) -> float | None:
+            return None if t is None else round((t - received) * 1000, 3)
+
+        handoff = None
+        if last is not None and last.first_token is not None and last.prefill_done is not None:
+            handoff = round((last.first_token - last.prefill_done) * 1000, 3)
+        line = {
+            "time": round(time, 6), "request_id": last.request_id if last else None, "endpoint": endpoint,
+            "mode": mode, "status": status, "attempts": attempts,
+            "prefill": last.prefill if last else None, "decode": last.decode if last else None,
+            "ms": {"start": ms(last.start if last else None), "prefill_done": ms(last.prefill_done if last else None),
+                   "decode_sent": ms(last.decode_sent if last else None),
+                   "first_token": ms(last.first_token if last else None), "done": ms(done)},
+            "handoff_ms": handoff, "error": error,
+        }
+        self.stream.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self.stream is not sys.stdout:
+            self.stream.close()
