@@ -126,6 +126,22 @@ def _restore_iptables(saved: str, restore: str, binary: str) -> list[str]:
     return problems
 
 
+def iptables_rules(dump: str) -> dict[str, list[str]]:
+    """What an iptables-save dump filters and rewrites, per table: its chains (with policies) and rules, without
+    timestamps and packet counters. A table with only built-in chains, every policy ACCEPT and no rule does
+    nothing, so it is left out: the same as no table. (iptables-nft cannot delete a table the node created,
+    only empty it, so a host that had no tables before the node has empty ones after.)"""
+    tables: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in dump.splitlines():
+        if line.startswith("*"):
+            current = tables.setdefault(line[1:].strip(), [])
+        elif current is not None and line and not line.startswith("#") and line != "COMMIT":
+            current.append(line.split(" [")[0])
+    return {t: lines for t, lines in tables.items()
+            if not all(line.startswith(":") and line.endswith(" ACCEPT") for line in lines)}
+
+
 def mounts_under(roots: list[str]) -> list[str]:
     """Mount points at or below any of `roots`, deepest (latest) first, as umount needs them."""
     out = []

@@ -42,12 +42,8 @@ def real_node(cluster):
     assert problems == [], problems
     assert (after.sysctls, after.absent_paths, after.had_cni0, after.absent_cgroups) == \
         (before.sysctls, before.absent_paths, before.had_cni0, before.absent_cgroups)
-    assert after.iptables == before.iptables or _rules(after.iptables) == _rules(before.iptables)
-
-
-def _rules(dumps: dict[str, str]) -> dict[str, list[str]]:
-    """iptables-save output without its timestamps and packet counters."""
-    return {k: [line.split(" [")[0] for line in v.splitlines() if not line.startswith("#")] for k, v in dumps.items()}
+    assert {k: host.iptables_rules(v) for k, v in after.iptables.items()} == \
+        {k: host.iptables_rules(v) for k, v in before.iptables.items()}
 
 
 # -- the product on the node: the operator from its chart, and one CR per module --------------------------------
@@ -99,3 +95,42 @@ def module_namespace(cluster):
     watch_until(cluster, Namespace, name, lambda ns: False, timeout=180, what="deleted", gone_ok=True)
     for pv in cluster.client.list(PersistentVolume, labels={"serving.disagg.io/models-for": name}):
         cluster.client.delete(PersistentVolume, pv.metadata.name)
+
+
+# -- on failure: what the pods said ---------------------------------------------------------------------------
+LOG_LINES = 40
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing node test gets the last lines of every container in the e2e and operator namespaces as a report
+    section: the node's pod logs go with the node at the end of the session, and a failure seen only in CI
+    must be explainable from CI's output alone."""
+    report = yield
+    if report.failed and call.when in ("call", "setup") and "cluster" in item.funcargs:
+        try:
+            report.sections.append(("pod logs", _pod_logs(item.funcargs["cluster"].client)))
+        except Exception as e:  # the report must not hide the failure itself
+            report.sections.append(("pod logs", f"could not read pod logs: {e!r}"))
+    return report
+
+
+def _pod_logs(client) -> str:
+    from lightkube.resources.core_v1 import Namespace, Pod
+
+    out = []
+    for ns in client.list(Namespace):
+        name = ns.metadata.name
+        if not (name.startswith("e2e-") or name == RELEASE):
+            continue
+        for pod in client.list(Pod, namespace=name):
+            for status in (pod.status.containerStatuses or []) if pod.status else []:
+                head = f"--- {name}/{pod.metadata.name} [{status.name}] ready={status.ready} " \
+                       f"restarts={status.restartCount}"
+                try:
+                    lines = list(client.log(pod.metadata.name, namespace=name, container=status.name,
+                                            tail_lines=LOG_LINES))
+                except Exception as e:
+                    lines = [f"(no log: {e!r})\n"]
+                out.append(head + "\n" + "".join(lines))
+    return "\n".join(out) or "(no pods)"
