@@ -77,8 +77,13 @@ class RendezvousClient:
             self._session = None
 
     def _http(self) -> aiohttp.ClientSession:
+        """One connection per request, never pooled. A connection opened to a Service's address before kube-proxy
+        programmed it reaches whatever the node's default route leads to (an egress proxy answers 404), and a
+        pooled one would take every retry back there. The rendezvous sees a request every few seconds per engine
+        and one long-lived watch per client, so keep-alive saves nothing worth that."""
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                                  connector=aiohttp.TCPConnector(force_close=True))
         return self._session
 
     def _auth(self) -> dict[str, str]:
@@ -98,9 +103,9 @@ class RendezvousClient:
                 return resp.status, data
             try:
                 err = json.loads(data) if data else {}
-                reason, message = err.get("reason", "error"), err.get("error", data.decode(errors="replace"))
+                reason, message = err.get("reason", "error"), err.get("error", _body_text(resp, data))
             except (ValueError, AttributeError):
-                reason, message = "error", data[:200].decode(errors="replace")
+                reason, message = "error", _body_text(resp, data)
             raise RendezvousError(resp.status, reason, message)
 
     async def register(self, adv: EngineAdvertisement) -> RegisterResponse:
@@ -165,7 +170,7 @@ class RendezvousClient:
                 timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout, sock_connect=self.timeout)
                 async with self._http().get(self.url + "/v1/watch", params=params, timeout=timeout) as resp:
                     if resp.status != 200:
-                        raise RendezvousError(resp.status, "watch", (await resp.read())[:200].decode(errors="replace"))
+                        raise RendezvousError(resp.status, "watch", _body_text(resp, await resp.read()))
                     limit = heartbeat_timeout or LEASE_HEARTBEATS * float(
                         resp.headers.get("X-Disagg-Heartbeat-Seconds", DEFAULT_HEARTBEAT))
                     in_snapshot = False
@@ -190,6 +195,13 @@ class RendezvousClient:
                 log.info("watch %s: %s: %s; retrying in %.2fs", self.url, type(e).__name__, e, backoff)
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(max_backoff, backoff * 2)
+
+
+def _body_text(resp: aiohttp.ClientResponse, data: bytes) -> str:
+    """An answer that is not the rendezvous' JSON error, for a log line: its start, or who sent an empty one."""
+    if data.strip():
+        return data[:200].decode(errors="replace")
+    return f"empty body from server {resp.headers.get('Server', 'unnamed')!r} (not a rendezvous answer)"
 
 
 async def _lines(content: aiohttp.StreamReader, timeout: float) -> AsyncIterator[bytes]:

@@ -605,3 +605,70 @@ async def test_command_serves():
         out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out
     assert "engine e1 created" in out
+
+
+@contextlib.asynccontextmanager
+async def intercepted_first_connection(upstream: str) -> AsyncIterator[tuple[str, list[int]]]:
+    """A fake, named as such: a TCP front whose first connection is answered by something that is not the
+    rendezvous (404, empty body, keep-alive), as an egress interceptor answers a ClusterIP that kube-proxy has not
+    programmed yet; every later connection is forwarded to the real rendezvous at `upstream`. Yields its URL and
+    the number of requests the interceptor answered."""
+    host, port = upstream.removeprefix("http://").split(":")
+    answered = [0]
+    connections = [0]
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def front(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        if connections[0] == 1:
+            try:
+                while await reader.readuntil(b"\r\n\r\n"):  # requests without a body: watch, PUT's head
+                    answered[0] += 1
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nserver: interceptor\r\ncontent-length: 0\r\n\r\n")
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    srv = await asyncio.start_server(front, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", answered
+    finally:
+        srv.close()
+
+
+@pytest.mark.timeout(20)
+async def test_an_answer_from_something_else_is_not_asked_again_on_the_same_connection():
+    """A Service's first connections can reach something that is not the rendezvous (before kube-proxy programs
+    the ClusterIP, an egress interceptor answers 404 with an empty body, keep-alive). The client must not keep
+    that connection: watch, register and list each reach the real rendezvous on their next attempt."""
+    async with serving() as (server, _):
+        async with intercepted_first_connection(server.url) as (url, answered):
+            watcher = RendezvousClient(url, timeout=5)
+            events = watcher.watch(min_backoff=0.01, max_backoff=0.05)
+            async with asyncio.timeout(5):
+                first = await anext(events)
+            assert first.type in ("RESET", "BOOKMARK") and answered == [1]
+            await events.aclose()
+            await watcher.close()
+        async with intercepted_first_connection(server.url) as (url, answered):
+            writer = RendezvousClient(url, token=TOKEN, timeout=5)
+            with pytest.raises(RendezvousError) as e:
+                await writer.register(advert("i1"))
+            assert e.value.status == 404 and "interceptor" in e.value.message, e.value
+            await writer.register(advert("i1"))  # the next attempt is a new connection, to the rendezvous
+            assert server.registry.get("i1") is not None and answered == [1]
+            assert [a.engine_id for a in (await writer.list()).engines] == ["i1"]
+            await writer.close()
