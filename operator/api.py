@@ -332,7 +332,8 @@ class RouterSpec(Model):
     """Service port."""
     pair_wait_seconds: int = Field(default=30, ge=0, le=3600)
     """How long a request waits for a healthy prefill/decode pair when none is available (an engine restarting,
-    a rollout step) before the router answers 503. 0 answers at once."""
+    a rollout step) before the router answers 503. A request retried after its engine failed before answering
+    waits for its second pair the same way. 0 answers at once."""
 
 
 class RendezvousSpec(Model):
@@ -359,6 +360,33 @@ class PlacementSpec(Model):
     """Prefer spreading a role's replicas over distinct nodes."""
     prefer_network_layer: bool = True
     """Prefer nodes that share an EKS network-node layer (topology.k8s.aws/network-node-layer-3)."""
+
+
+class RolloutSpec(Model):
+    """How a change of the engines' pod templates, or of either role's replicas, moves: both roles together.
+
+    Every change of what the engines run (image, args, env, block size, model, resources, pod template) starts a
+    new revision with StatefulSets of its own. The operator surges the new revision up in matched steps and
+    drains the old one only once new engines are Ready and advertised, so compatible prefill/decode pairs serve
+    throughout. New engines that fail block the rollout with the old revision still serving in full (condition
+    Progressing False, reason Blocked); rolling back is applying the previous spec again."""
+
+    max_surge: int = Field(default=1, ge=1, le=MAX_ENGINE_REPLICAS)
+    """Engines per role the rollout may run above the role's replicas while older engines remain: what a step
+    adds when the old revision is still whole. Surge needs spare accelerators; with none, raise maxUnavailable
+    so old engines are drained first."""
+    max_unavailable: int = Field(default=0, ge=0, le=MAX_ENGINE_REPLICAS)
+    """Prefill/decode pairs the rollout may serve below the desired pairs (min of the two roles' replicas)."""
+    max_skew: int = Field(default=1, ge=1, le=MAX_ENGINE_REPLICAS)
+    """How far, in engines, each revision's prefill:decode may stray from the spec's ratio during the
+    rollout."""
+    min_available_pairs: int | None = Field(default=None, ge=0, le=MAX_ENGINE_REPLICAS)
+    """Ready, compatible pairs that must serve at every step. Default: the desired pairs minus maxUnavailable, and
+    at least 1 while the deployment has pairs; never more than the desired pairs."""
+    startup_seconds: int | None = Field(default=None, ge=1, le=86400)
+    """How long a new engine may take to become Ready before it counts as failed and blocks the rollout (model
+    download and load, compilation, warm-up). Default: the profile's startup probe budget (30 min on GPUs, 2 h
+    on Trainium, whose first start compiles)."""
 
 
 def _ranks_rule(role: str) -> dict[str, str]:
@@ -443,6 +471,8 @@ class DisaggregatedInferenceSpec(Model):
     """The rendezvous service."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     """Placement of engine pods."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """How changes to the engines roll out, both roles paced together."""
 
     # -- derived values: one place decides each default ---------------------------------------------------
     @property
@@ -512,6 +542,32 @@ class RoleStatus(Model):
     """Replicas running the current pod template."""
 
 
+class RevisionRoleStatus(Model):
+    """One role of one revision."""
+
+    replicas: int = 0
+    """Engines its StatefulSet runs, draining ones included."""
+    ready: int = 0
+    """Engines Ready and not withdrawn."""
+    advertised: int = 0
+    """Ready engines listed in the rendezvous: what the router pairs."""
+
+
+class RevisionStatus(Model):
+    """One revision of the engines' pod templates that still has StatefulSets."""
+
+    name: str
+    """The revision: a hash of both roles' pod templates (label serving.disagg.io/revision)."""
+    layout_key: str = ""
+    """Its KV layout key: engines of revisions with equal keys pair with each other."""
+    current: bool = False
+    """Whether it is the revision the spec asks for."""
+    prefill: RevisionRoleStatus = Field(default_factory=RevisionRoleStatus)
+    """Its prefill engines."""
+    decode: RevisionRoleStatus = Field(default_factory=RevisionRoleStatus)
+    """Its decode engines."""
+
+
 class DisaggregatedInferenceStatus(Model):
     """Observed state, written by the operator."""
 
@@ -536,6 +592,12 @@ class DisaggregatedInferenceStatus(Model):
     """Prefill ready/desired, for the printer column."""
     decode_ready: str | None = None
     """Decode ready/desired, for the printer column."""
+    revision: str | None = None
+    """The revision the spec asks for (a hash of both roles' pod templates)."""
+    revisions: list[RevisionStatus] = Field(default_factory=list)
+    """Every revision that still has engines, oldest first; more than one while a rollout moves."""
+    rollout: str | None = None
+    """Complete, RollingOut or Blocked (the Progressing condition's reason), for the printer column."""
 
 
 NAME_LIMIT = names.max_cr_name_length(MAX_ENGINE_REPLICAS)
@@ -544,7 +606,8 @@ NAME_LIMIT = names.max_cr_name_length(MAX_ENGINE_REPLICAS)
 
 def _name_shape(limit: names.NameLimit) -> str:
     return limit.binding.value.replace("a" * limit.length, "<name>", 1).replace(
-        "0" * names.REVISION_HASH_MAX, f"<{names.REVISION_HASH_MAX}-character hash>")
+        "0" * names.REVISION_HASH_MAX, f"<{names.REVISION_HASH_MAX}-character hash>").replace(
+        "0" * names.REVISION_CHARS, "<revision>")
 
 
 NAME_RULES = [

@@ -112,11 +112,14 @@ def launch_script(spec: DisaggregatedInferenceSpec, role_name: str) -> str:
                                 bind_allowed_cpus=spec.profile.cpu_only)
 
 
-def launch_configmap(cr: DisaggregatedInference) -> dict[str, Any]:
+def launch_configmap(cr: DisaggregatedInference, revision: str) -> dict[str, Any]:
+    """One revision's launch scripts. Per revision, so a pod of an older revision that restarts mid-rollout
+    still runs its own engine arguments."""
     name = cr_name(cr)
     data = {names.launch_script_key(r): launch_script(cr.spec, r) for r in names.ENGINE_ROLES}
     # Component "launch" is only a label here: no selector ever targets it.
-    meta = object_meta(cr, names.launch_configmap_name(name), "launch")
+    meta = object_meta(cr, names.launch_configmap_name(name, revision), "launch")
+    meta["labels"][names.LABEL_REVISION] = revision
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
 
 
@@ -261,11 +264,12 @@ def engine_affinity(cr: DisaggregatedInference, role_name: str) -> dict[str, Any
     return deep_merge(affinity, role.affinity) if role.affinity else affinity
 
 
-def _volumes(cr: DisaggregatedInference) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(cr: DisaggregatedInference, revision: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     spec = cr.spec
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.profile.shm_size}},
-        {"name": "launch", "configMap": {"name": names.launch_configmap_name(cr_name(cr)), "defaultMode": 0o755}},
+        {"name": "launch", "configMap": {"name": names.launch_configmap_name(cr_name(cr), revision),
+                                         "defaultMode": 0o755}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": SHM_DIR},
@@ -306,10 +310,26 @@ def plugin_install_resources(spec: DisaggregatedInferenceSpec) -> dict[str, dict
     return {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "256Mi"}}
 
 
-def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorImages) -> dict[str, Any]:
+_UNNAMED_REVISION = "0" * names.REVISION_CHARS
+
+
+def engine_revision(cr: DisaggregatedInference, images: OperatorImages) -> str:
+    """The revision of what the engines run now: a hash of both roles' pod templates (as rendered before the
+    revision is known). Equal specs under one operator release give equal revisions; any change to what either
+    role's pods run gives a new one. Replicas are not in it: scaling stays within a revision."""
+    return names.revision_hash([_pod_template(cr, role, images, None) for role in names.ENGINE_ROLES])
+
+
+def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorImages,
+                        revision: str) -> dict[str, Any]:
+    return _pod_template(cr, role_name, images, revision)
+
+
+def _pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorImages,
+                  revision: str | None) -> dict[str, Any]:
     spec, name = cr.spec, cr_name(cr)
     role, profile = role_spec(spec, role_name), spec.profile
-    volumes, mounts = _volumes(cr)
+    volumes, mounts = _volumes(cr, revision or _UNNAMED_REVISION)
     startup_failures = -(-profile.startup_seconds // PROBE_PERIOD)
     engine = {
         "name": ENGINE_CONTAINER,
@@ -368,24 +388,36 @@ def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: Oper
     }
     if role.pod_template:
         template = deep_merge(template, role.pod_template)
-        # An overlay must not detach pods from their StatefulSet and Services.
-        template.setdefault("metadata", {}).setdefault("labels", {}).update(names.selector_labels(name, role_name))
+    # An overlay must not detach pods from their StatefulSet and Services.
+    template.setdefault("metadata", {}).setdefault("labels", {}).update(
+        revision_selector(name, role_name, revision) if revision else names.selector_labels(name, role_name))
     return template
 
 
-def engine_statefulset(cr: DisaggregatedInference, role_name: str, images: OperatorImages) -> dict[str, Any]:
-    name = names.engine_name(cr_name(cr), role_name)
+def revision_selector(cr: str, role_name: str, revision: str) -> dict[str, str]:
+    """The pods of one role of one revision: its StatefulSet's selector."""
+    return {**names.selector_labels(cr, role_name), names.LABEL_REVISION: revision}
+
+
+def engine_statefulset(cr: DisaggregatedInference, role_name: str, images: OperatorImages, revision: str,
+                       replicas: int | None = None) -> dict[str, Any]:
+    """One role of one revision, at `replicas` (default: the spec's; the rollout decides during a change).
+    The role's headless Service (`names.engine_name`) fronts every revision's pods."""
+    name = cr_name(cr)
+    meta = object_meta(cr, names.engine_statefulset_name(name, role_name, revision), role_name)
+    meta["labels"][names.LABEL_REVISION] = revision
+    meta["annotations"] = {names.LAYOUT_KEY_ANNOTATION: names.layout_key(cr.spec)}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": object_meta(cr, name, role_name),
+        "metadata": meta,
         "spec": {
-            "replicas": role_spec(cr.spec, role_name).replicas,
-            "serviceName": name,
+            "replicas": role_spec(cr.spec, role_name).replicas if replicas is None else replicas,
+            "serviceName": names.engine_name(name, role_name),
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
-            "selector": {"matchLabels": names.selector_labels(cr_name(cr), role_name)},
-            "template": engine_pod_template(cr, role_name, images),
+            "selector": {"matchLabels": revision_selector(name, role_name, revision)},
+            "template": engine_pod_template(cr, role_name, images, revision),
         },
     }
 

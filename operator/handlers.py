@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import datetime as dt
+import copy
 import logging
 import os
 import time
@@ -37,6 +37,7 @@ import kopf
 from pydantic import ValidationError
 
 from . import api, metrics, names
+from .meta import timestamp
 from .reconciler import ApplyFailed, Key, Reconciler
 from .status import (
     FAILED_CREATE,
@@ -45,6 +46,7 @@ from .status import (
     Observed,
     PodCreateEvent,
     PodProblem,
+    RolloutView,
     TransportReport,
     WorkloadState,
     create_failure,
@@ -98,6 +100,8 @@ def parse_cr(raw: kopf.RawBody) -> IndexedCR:
 
 
 DinfIndex = kopf.Index[Key, IndexedCR]
+StsIndex = kopf.Index[Key, dict[str, Any]]  # (namespace, CR name): its engine StatefulSets (statefulset_view)
+PodIndex = kopf.Index[Key, dict[str, Any]]  # (namespace, CR name): its engine pods
 WorkloadIndex = kopf.Index[WorkloadKey, WorkloadState]
 PodProblemIndex = kopf.Index[Key, tuple[PodProblem, ...]]  # (namespace, CR name): one tuple per pod with problems
 StsEventIndex = kopf.Index[Key, PodCreateEvent]  # (namespace, StatefulSet name)
@@ -107,7 +111,8 @@ class Indexes(TypedDict):
     """kopf's indexes, as it passes them to handlers (keyword arguments named after the indexing functions)."""
 
     dinf_index: DinfIndex
-    sts_index: WorkloadIndex
+    sts_index: StsIndex
+    engine_pod_index: PodIndex
     deploy_index: WorkloadIndex
     pod_problem_index: PodProblemIndex
     sts_event_index: StsEventIndex
@@ -127,10 +132,41 @@ def dinf_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> d
 
 @kopf.index("apps", "v1", "statefulsets", labels=MANAGED)
 def sts_index(namespace: str | None, labels: kopf.Labels, body: kopf.Body,
-              **_: Any) -> dict[WorkloadKey, WorkloadState] | None:
-    if namespace is None:
+              **_: Any) -> dict[Key, dict[str, Any]] | None:
+    """Every engine StatefulSet of a CR, every revision's, as the rollout and status read them."""
+    if namespace is None or labels.get(COMPONENT) not in names.ENGINE_ROLES:
         return None
-    return {(namespace, labels.get(INSTANCE, ""), labels.get(COMPONENT, "")): workload_state(dict(body))}
+    return {(namespace, labels.get(INSTANCE, "")): statefulset_view(body)}
+
+
+def _copied(meta: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: copy.deepcopy(meta.get(k)) for k in keys}
+
+
+def statefulset_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What the rollout and status read of a StatefulSet (a copy: kopf updates its bodies in place). Of the pod
+    template only the engine's env: the layout key of a StatefulSet made before revisions."""
+    meta, spec = body.get("metadata") or {}, body.get("spec") or {}
+    containers = ((spec.get("template") or {}).get("spec") or {}).get("containers") or []
+    return {
+        "metadata": _copied(meta, ("name", "uid", "generation", "labels", "annotations", "creationTimestamp")),
+        "spec": {"replicas": spec.get("replicas"), "template": {"spec": {"containers": [
+            {"name": c.get("name"), "env": copy.deepcopy(c.get("env") or [])} for c in containers]}}},
+        "status": copy.deepcopy(dict(body.get("status") or {})),
+    }
+
+
+@kopf.index("", "v1", "pods", labels=MANAGED)
+def engine_pod_index(namespace: str | None, labels: kopf.Labels, body: kopf.Body,
+                     **_: Any) -> dict[Key, dict[str, Any]] | None:
+    """Every engine pod of a CR: the rollout reads readiness, age and failures per ordinal."""
+    if namespace is None or labels.get(COMPONENT) not in names.ENGINE_ROLES:
+        return None
+    meta = body.get("metadata") or {}
+    return {(namespace, labels.get(INSTANCE, "")): {
+        "metadata": _copied(meta, ("name", "uid", "labels", "creationTimestamp", "deletionTimestamp")),
+        "status": copy.deepcopy(dict(body.get("status") or {})),
+    }}
 
 
 @kopf.index("apps", "v1", "deployments", labels=MANAGED)
@@ -158,9 +194,7 @@ def _event_time(body: Mapping[str, Any]) -> float:
     creation."""
     stamp = ((body.get("series") or {}).get("lastObservedTime") or body.get("lastTimestamp") or body.get("eventTime")
              or (body.get("metadata") or {}).get("creationTimestamp"))
-    if not stamp:
-        return 0.0
-    return dt.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+    return timestamp(stamp) or 0.0
 
 
 @kopf.index("", "v1", "events", field="involvedObject.kind", value="StatefulSet")
@@ -178,24 +212,36 @@ def _one(index: WorkloadIndex, key: WorkloadKey) -> WorkloadState:
     return next(iter(store), WorkloadState()) if store else WorkloadState()
 
 
-def observe(namespace: str, name: str, sts: WorkloadIndex, deploys: WorkloadIndex, pods: PodProblemIndex,
-            transport: TransportReport | None = None, sts_events: StsEventIndex | None = None,
-            apply_error: str | None = None) -> Observed:
+def _current(statefulsets: list[dict[str, Any]], revision: str | None, role: str) -> dict[str, Any] | None:
+    for sts in statefulsets:
+        labels = sts["metadata"].get("labels") or {}
+        if labels.get(COMPONENT) == role and labels.get(names.LABEL_REVISION) == revision:
+            return sts
+    return None
+
+
+def observe(namespace: str, name: str, revision: str, statefulsets: list[dict[str, Any]], deploys: WorkloadIndex,
+            pods: PodProblemIndex, transport: TransportReport | None = None, sts_events: StsEventIndex | None = None,
+            apply_error: str | None = None, rollout: RolloutView | None = None) -> Observed:
+    """Status' view of a CR's children; `prefill` and `decode` are those of `revision`, the current one."""
     problems = tuple(p for group in (pods.get((namespace, name)) or ()) for p in group)
-    roles = {role: _one(sts, (namespace, name, role)) for role in names.ENGINE_ROLES}
+    current = {role: _current(statefulsets, revision, role) for role in names.ENGINE_ROLES}
+    roles = {role: workload_state(sts) for role, sts in current.items()}
     failures: list[CreateFailure] = []
     for role, state in roles.items():
-        store = sts_events.get((namespace, names.engine_name(name, role))) if sts_events is not None else None
+        sts = current[role]
+        store = sts_events.get((namespace, sts["metadata"]["name"])) if sts_events is not None and sts else None
         events = tuple(store or ())
         if (message := create_failure(state, events)) is not None:
             failures.append(CreateFailure(role, message))
     return Observed(prefill=roles["prefill"], decode=roles["decode"], router=_one(deploys, (namespace, name, "router")),
-                    problems=problems, transport=transport, create_failures=tuple(failures), apply_error=apply_error)
+                    problems=problems, transport=transport, create_failures=tuple(failures), apply_error=apply_error,
+                    rollout=rollout)
 
 
 # -- the passes -----------------------------------------------------------------------------------------
 async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, trigger: str,
-                   dinf_index: DinfIndex, sts_index: WorkloadIndex, deploy_index: WorkloadIndex,
+                   dinf_index: DinfIndex, sts_index: StsIndex, engine_pod_index: PodIndex, deploy_index: WorkloadIndex,
                    pod_problem_index: PodProblemIndex, sts_event_index: StsEventIndex,
                    logger: kopf.Logger) -> None:
     reconciler: Reconciler = memo.reconciler
@@ -240,11 +286,29 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         if cr.spec.uses_plugin:
             transports.request(key)  # in the background, when the cached answer is old or missing
             report = transports.report(key)
+        # Every pass, status passes too: engines becoming Ready or leaving are what move a rollout on.
+        statefulsets = list(sts_index.get(key) or ())
+        rollout: RolloutView | None = None
+        if failed is None:
+            def post(kind: str, reason: str, message: str) -> None:
+                post_event(memo, kopf.warn if kind == "Warning" else kopf.info, body, reason, message)
+
+            try:
+                rollout = await reconciler.advance_rollout(cr, statefulsets, list(engine_pod_index.get(key) or ()),
+                                                           report, post, thorough=trigger == "resync")
+            except ApplyFailed as e:
+                if e.code == 403 and "being terminated" in str(e):
+                    return
+                failed = e
         # A refused child stays in Degraded (reconciler.apply_error) until a full pass applies every child.
-        observed = observe(namespace, name, sts_index, deploy_index, pod_problem_index, report, sts_event_index,
-                           reconciler.apply_error(key))
-        if cr.spec.uses_plugin and transport_behind(observed.prefill.ready + observed.decode.ready, report):
-            transports.request(key, force=True)  # its answer triggers a status pass (transport_changed)
+        revision = rollout.revision if rollout else reconciler.revision(cr)  # rendering both templates costs
+        observed = observe(namespace, name, revision, statefulsets, deploy_index, pod_problem_index, report,
+                           sts_event_index, reconciler.apply_error(key) or (str(failed) if failed else None), rollout)
+        # Read the rendezvous again now, not at the next poll, when it lags the pods: its answer, if it changed,
+        # triggers a status pass (transport_changed), which is also what moves a rollout waiting for engines.
+        behind = transport_behind(observed.prefill.ready + observed.decode.ready, report)
+        if cr.spec.uses_plugin and (behind or (rollout is not None and rollout.unlisted)):
+            transports.request(key, force=True)
         status = await reconciler.publish_status(cr, observed)
         event = reconciler.transport_event(key, cr.status, status) if status is not None else None
         if event is not None:
@@ -299,7 +363,8 @@ async def dinf_changed(namespace: str | None, name: str, memo: kopf.Memo, logger
 def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> Indexes:
     # Index objects are live views; the resync loop keeps a reference to reach them between events. kopf
     # hands each object a shallow copy of the memo, so the reference goes into a dict they all share.
-    indexes = Indexes(dinf_index=kw["dinf_index"], sts_index=kw["sts_index"], deploy_index=kw["deploy_index"],
+    indexes = Indexes(dinf_index=kw["dinf_index"], sts_index=kw["sts_index"], engine_pod_index=kw["engine_pod_index"],
+                      deploy_index=kw["deploy_index"],
                       pod_problem_index=kw["pod_problem_index"], sts_event_index=kw["sts_event_index"])
     memo.shared["indexes"] = indexes
     memo.shared["context"] = contextvars.copy_context()  # for post_event outside handlers

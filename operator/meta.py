@@ -1,11 +1,15 @@
 """Metadata shared by every child object: namespace, labels, owner reference."""
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
 from . import names
 from .api import GROUP, KIND, VERSION, DisaggregatedInference
+
+FIELD_MANAGER = "disagg-operator"
+"""The field manager of every write the operator makes (server-side apply, patches)."""
 
 DEFAULT_OPERATOR_IMAGE = "ghcr.io/disagg/disagg:0.1.0"
 # Offline render of a CR without metadata.namespace: children (and the in-cluster URLs) use this.
@@ -20,6 +24,16 @@ class OperatorImages:
 
 
 DEFAULT_IMAGES = OperatorImages()
+
+
+def timestamp(stamp: object) -> float | None:
+    """A Kubernetes timestamp (RFC 3339, `Z` for UTC) as seconds since the epoch; None when absent or malformed."""
+    if not isinstance(stamp, str) or not stamp:
+        return None
+    try:
+        return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def cr_name(cr: DisaggregatedInference) -> str:

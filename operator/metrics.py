@@ -16,3 +16,5 @@ MANAGED = Gauge("disagg_operator_managed_resources", "DisaggregatedInference obj
 RESYNC_ROUNDS = Counter("disagg_operator_resync_rounds_total", "Completed periodic resyncs over every known CR")
 RENDEZVOUS_POLLS = Counter("disagg_operator_rendezvous_polls_total",
                            "Reads of a deployment's rendezvous for the engines' transport", ["result"])
+ROLLOUT_STEPS = Counter("disagg_operator_rollout_steps_total", "Rollout steps performed, by kind", ["step"])
+ROLLOUT_BLOCKED = Counter("disagg_operator_rollouts_blocked_total", "Rollouts that became Blocked")

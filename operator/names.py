@@ -28,18 +28,45 @@ RENDEZVOUS_PORT = wire_env.RENDEZVOUS_PORT
 ROUTER_CONTAINER_PORT = 8000
 
 
+LABEL_REVISION = "serving.disagg.io/revision"
+"""On an engine StatefulSet, its selector and its pods: the revision (`revision_hash`) of the pod templates."""
+LAYOUT_KEY_ANNOTATION = "serving.disagg.io/layout-key"
+"""On an engine StatefulSet: the KV layout key its engines advertise (`layout_key`)."""
+REVISION_CHARS = wire_env.REVISION_CHARS
+_REVISION_RE = re.compile(f"^[0-9a-f]{{{REVISION_CHARS}}}$")
+
+
 def engine_name(cr: str, role: str) -> str:
-    """StatefulSet, headless Service and PodDisruptionBudget of one engine role."""
+    """The headless Service and PodDisruptionBudget of one engine role (every revision's pods), and the
+    StatefulSet of an operator release that predates revisions."""
     if role not in ENGINE_ROLES:
         raise ValueError(f"role must be one of {ENGINE_ROLES}, got {role!r}")
     return f"{cr}-{role}"
 
 
+def engine_statefulset_name(cr: str, role: str, revision: str) -> str:
+    """The StatefulSet of one role of one revision: `<cr>-<role>-<revision>`."""
+    if not _REVISION_RE.match(revision):
+        raise ValueError(f"revision must be {REVISION_CHARS} hex characters, got {revision!r}")
+    return f"{engine_name(cr, role)}-{revision}"
+
+
+def revision_hash(material: object) -> str:
+    """A revision's name: REVISION_CHARS hex characters of a hash of what it runs."""
+    return hashlib.sha256(json.dumps(material, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[
+        :REVISION_CHARS]
+
+
 def engine_owner(statefulset: str) -> tuple[str, str] | None:
-    """(CR name, role) of an engine StatefulSet name, or None when no CR would name a StatefulSet so."""
+    """(CR name, role) of an engine StatefulSet name (`<cr>-<role>-<revision>`, or a pre-revision `<cr>-<role>`),
+    or None when no CR would name a StatefulSet so."""
+    base = statefulset
+    head, _, tail = statefulset.rpartition("-")
+    if head and _REVISION_RE.match(tail):
+        base = head
     for role in ENGINE_ROLES:
-        if statefulset.endswith(f"-{role}") and len(statefulset) > len(role) + 1:
-            return statefulset[: -len(role) - 1], role
+        if base.endswith(f"-{role}") and len(base) > len(role) + 1:
+            return base[: -len(role) - 1], role
     return None
 
 
@@ -90,8 +117,9 @@ def rendezvous_binding_name(namespace: str, cr: str) -> str:
     return f"{name[:MAX_NAME - len(digest) - 1]}-{digest}"
 
 
-def launch_configmap_name(cr: str) -> str:
-    return f"{cr}-launch"
+def launch_configmap_name(cr: str, revision: str) -> str:
+    """The launch scripts of one revision: its pods must keep their own scripts while another revision rolls."""
+    return f"{cr}-launch-{revision}"
 
 
 def launch_script_key(role: str) -> str:
@@ -184,12 +212,13 @@ def derived_names(cr: str, namespace: str, max_replicas: int) -> list[DerivedNam
            DerivedName("rendezvous ServiceAccount", rendezvous_service_account(cr), "dns-1123-subdomain"),
            DerivedName("rendezvous token Secret", rendezvous_token_secret(cr), "dns-1123-subdomain"),
            DerivedName("rendezvous ClusterRoleBinding", rendezvous_binding_name(namespace, cr), "path-segment"),
-           DerivedName("launch ConfigMap", launch_configmap_name(cr), "dns-1123-subdomain")]
+           DerivedName("launch ConfigMap", launch_configmap_name(cr, "0" * REVISION_CHARS), "dns-1123-subdomain")]
     for role in ENGINE_ROLES:
-        sts = engine_name(cr, role)
+        sts = engine_statefulset_name(cr, role, "0" * REVISION_CHARS)
         pod = f"{sts}-{max(max_replicas - 1, 0)}"
-        out += [DerivedName(f"{role} StatefulSet and PodDisruptionBudget", sts, "dns-1123-subdomain"),
-                DerivedName(f"{role} headless Service", sts, "dns-1035-label"),
+        out += [DerivedName(f"{role} StatefulSet", sts, "dns-1123-subdomain"),
+                DerivedName(f"{role} PodDisruptionBudget", engine_name(cr, role), "dns-1123-subdomain"),
+                DerivedName(f"{role} headless Service", engine_name(cr, role), "dns-1035-label"),
                 DerivedName(f"{role} pod name (its hostname)", pod, "dns-1123-label"),
                 DerivedName(f"{role} pod label statefulset.kubernetes.io/pod-name", pod, "label-value"),
                 DerivedName(f"{role} pod label {STATEFULSET_REVISION_LABEL}",

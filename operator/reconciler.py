@@ -25,14 +25,23 @@ from lightkube.types import PatchType
 
 from . import api, metrics, names
 from .bindings import BindingCollector, DinfResource, live_cr
-from .builders import OperatorImages, build_children, endpoint_url
+from .builders import OperatorImages, build_children, endpoint_url, engine_revision, engine_statefulset
+from .meta import FIELD_MANAGER, object_meta
 from .meta import cr_name as meta_name
 from .meta import namespace_of as meta_namespace
-from .meta import object_meta
-from .plan import Applied, ChildKey, child_marker, digest, plan_children
-from .status import TRANSPORT_VERIFIED, Observed, compute_status, condition, transport_event
-
-FIELD_MANAGER = "disagg-operator"
+from .plan import Applied, ApplyPlan, ChildKey, child_marker, digest, plan_children
+from .rollout import revisions
+from .rollout.state import RevisionState, Role, RoleState
+from .rollout_executor import EventFn, RolloutExecutor, RolloutFailed, summary
+from .status import (
+    TRANSPORT_VERIFIED,
+    Observed,
+    RolloutView,
+    TransportReport,
+    compute_status,
+    condition,
+    transport_event,
+)
 
 Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
 
@@ -88,6 +97,7 @@ class Reconciler:
         self.bindings = BindingCollector(client, self.namespaces, self.log)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
         self._apply_errors: dict[Key, str] = {}  # CRs whose last full pass had a child refused, and why
+        self.rollout = RolloutExecutor(client, self._apply, self.log)
 
     # -- children ----------------------------------------------------------------------------------------
     async def apply_children(self, cr: api.DisaggregatedInference, thorough: bool = False) -> ApplyOutcome:
@@ -113,7 +123,12 @@ class Reconciler:
             binding = names.rendezvous_binding_name(meta_namespace(cr), meta_name(cr))
             if ("ClusterRoleBinding", "", binding) in self.applied:  # switched from kubernetes: revoke it now
                 await self.collect_bindings(only=(meta_namespace(cr), meta_name(cr)))
-        plan = plan_children(build_children(cr, images=self.images), self.applied, self._drifted, thorough)
+        plan = plan_children(build_children(cr, images=self.images, statefulsets=False), self.applied, self._drifted,
+                             thorough)
+        await self._apply_plan(plan, outcome)
+        return outcome
+
+    async def _apply_plan(self, plan: ApplyPlan, outcome: ApplyOutcome) -> None:
         outcome.unchanged += plan.skipped
         for step in plan.to_apply:
             kind, ns, name = step.key
@@ -142,7 +157,56 @@ class Reconciler:
                 outcome.updated.append(f"{kind}/{name}")
             else:
                 outcome.unchanged += 1
-        return outcome
+
+    # -- the engines' rollout ------------------------------------------------------------------------------
+    async def advance_rollout(self, cr: api.DisaggregatedInference, statefulsets: list[dict[str, Any]],
+                              pods: list[dict[str, Any]], report: TransportReport | None, event: EventFn,
+                              thorough: bool = False) -> RolloutView:
+        """Observe the engines' revisions, repair the current revision's StatefulSets if they drifted, and take
+        at most one rollout step (rollout_executor.py). Raises ApplyFailed when a write is refused."""
+        key = (meta_namespace(cr), meta_name(cr))
+        revision = self.revision(cr)
+        advertised: dict[str, str] | None = None
+        if cr.spec.uses_plugin:
+            advertised = {} if report is None or report.error else {
+                e.engine: e.pod_uid for e in report.engines if e.pod_uid}
+        policy = revisions.policy(cr.spec)
+        observed, sets = revisions.observe(cr.spec, revision, statefulsets, pods, advertised, time.time(), policy)
+
+        def build(role: Role, replicas: int) -> dict[str, Any]:
+            return engine_statefulset(cr, role, self.images, revision, replicas)
+
+        try:
+            if self.rollout.caught_up(key, statefulsets):
+                await self._repair_current(key, sets, revision, build, thorough)
+            result = await self.rollout.advance(key, observed, sets, policy, build, statefulsets, event,
+                                                lambda: self.exists(*key))
+        except RolloutFailed as e:
+            raise ApplyFailed(str(e), e.code) from e
+        reason, message = summary(result.plan)
+        unlisted = any(o < state.live and o not in state.advertised
+                       for r in observed.revisions for state in (r.prefill, r.decode) for o in state.ready)
+        return RolloutView(reason, message, revision, tuple(_revision_status(r, revision) for r in observed.revisions),
+                           unlisted)
+
+    def revision(self, cr: api.DisaggregatedInference) -> str:
+        """The revision the spec asks for, as this operator renders it."""
+        return engine_revision(cr, self.images)
+
+    async def _repair_current(self, key: Key, sets: list[revisions.RevisionSets], revision: str,
+                              build: Callable[[Role, int], dict[str, Any]], thorough: bool) -> None:
+        """Apply the current revision's StatefulSets at the replicas they have when this process has not applied
+        them yet, they changed under it, or on a thorough pass: the planner only writes them to change
+        replicas."""
+        current = next((r for r in sets if r.name == revision), None)
+        if current is None:
+            return
+        desired = [build(role, int((sts.get("spec") or {}).get("replicas") or 0))
+                   for role, sts in current.statefulsets.items()]
+        plan = plan_children(desired, self.applied, self._drifted, thorough)
+        await self._apply_plan(plan, ApplyOutcome())
+        for step in plan.to_apply:
+            self.rollout.expect(key, step.key[2], self.applied[step.key].marker)
 
     async def ensure_token_secret(self, cr: api.DisaggregatedInference, verify: bool) -> bool:
         """Create the rendezvous token Secret once. Not server-side applied: its value is random and must
@@ -263,6 +327,16 @@ class Reconciler:
     def forget(self, key: Key) -> None:
         self._transport_status.pop(key, None)
         self._apply_errors.pop(key, None)
+        self.rollout.forget(key)
+
+
+def _revision_status(rev: RevisionState, current: str) -> api.RevisionStatus:
+    def role(state: RoleState) -> api.RevisionRoleStatus:
+        return api.RevisionRoleStatus(replicas=state.replicas, ready=sum(1 for o in state.ready if o < state.live),
+                                      advertised=state.serving)
+
+    return api.RevisionStatus(name=rev.name, layout_key=rev.layout_key, current=rev.name == current,
+                              prefill=role(rev.prefill), decode=role(rev.decode))
 
 
 def status_code(e: ApiError) -> int:

@@ -1,11 +1,14 @@
 """Pure status computation: observed children in, the CR's status out.
 
 Invariants:
-- `Ready` is True only when every role has all desired replicas ready and updated and the router is ready.
-- `Progressing` is True while any role or the router is rolling out or scaling.
+- `Ready` is True only when every role has all desired replicas ready and updated in the current revision, no
+  older revision runs engines, and the router is ready.
+- `Progressing` is True (RollingOut) while the rollout moves, any role or the router is not settled; False with
+  reason Blocked when the rollout cannot move (its message says why), False with reason Complete otherwise.
 - `Degraded` is True, with the first of these that holds as its reason and the others named after its message:
   an engine's preflight check failed (its one-line termination message is copied here) or an engine container is
-  crash-looping (it names the pod); a child the apiserver refused (`ApplyFailed`, the apiserver's message); an
+  crash-looping (it names the pod; prefill pods before decode pods, then by name, whatever order they were
+  observed in); a child the apiserver refused (`ApplyFailed`, the apiserver's message); an
   engine StatefulSet whose pods cannot be created (`FailedCreate`, the controller's message); engine pods the
   scheduler cannot place (`Unschedulable`, their count and the scheduler's message); `TransportVerified` False:
   the deployment serves, but KV does not move over the transport asked for. Only engine failures change `Ready`
@@ -25,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .api import Condition, DisaggregatedInferenceSpec, DisaggregatedInferenceStatus, RoleStatus
+from .api import Condition, DisaggregatedInferenceSpec, DisaggregatedInferenceStatus, RevisionStatus, RoleStatus
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class EngineTransport:
     engine: str  # its pod name, else its engine id
     role: str
     transport: str | None
+    pod_uid: str | None = None  # its pod's UID, when it reports one
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,25 @@ def transport_behind(ready_engines: int, report: TransportReport | None) -> bool
     return report is not None and report.error is None and len(report.engines) < ready_engines
 
 
+ROLLING_OUT, BLOCKED, COMPLETE = "RollingOut", "Blocked", "Complete"
+
+
+@dataclass(frozen=True)
+class RolloutView:
+    """The rollout as the executor last saw it: the Progressing reason it calls for (RollingOut, Blocked or
+    Complete), why, and every revision still running."""
+
+    reason: str
+    message: str
+    revision: str
+    revisions: tuple[RevisionStatus, ...] = ()
+    unlisted: bool = False  # some live, Ready engine is not advertised yet: the rendezvous answer may be old
+
+
 @dataclass(frozen=True)
 class Observed:
+    """`prefill` and `decode` are the current revision's StatefulSets."""
+
     prefill: WorkloadState = field(default_factory=WorkloadState)
     decode: WorkloadState = field(default_factory=WorkloadState)
     router: WorkloadState = field(default_factory=WorkloadState)
@@ -113,6 +134,7 @@ class Observed:
     transport: TransportReport | None = None  # None: the rendezvous has not been asked yet
     create_failures: tuple[CreateFailure, ...] = ()
     apply_error: str | None = None  # the apiserver's refusal of a child in the last full pass, if it failed
+    rollout: RolloutView | None = None  # None: not observed in this pass (status keeps what it said)
 
 
 def workload_state(obj: dict[str, Any] | None) -> WorkloadState:
@@ -295,10 +317,21 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
             pending.append(f"{role} {st.ready}/{want} ready, {st.updated} updated")
     if spec.router.replicas and not observed.router.settled:
         pending.append(f"router {observed.router.ready}/{spec.router.replicas} ready")
+    rollout = observed.rollout
+    for rev in rollout.revisions if rollout else ():
+        if not rev.current and (rev.prefill.replicas or rev.decode.replicas):
+            pending.append(f"revision {rev.name} still runs {rev.prefill.replicas}P{rev.decode.replicas}D")
+    # Ready is about pods; the rollout's own progress (engines advertised, drains) is what Progressing adds.
+    moving = list(pending)
+    if rollout is not None and rollout.reason != COMPLETE:
+        moving.append(f"rollout: {rollout.message}")
 
     t_status, t_reason, t_message = transport_verdict(spec, observed.transport)
     transport = _cond(TRANSPORT_VERIFIED, t_status, t_reason, t_message, generation, prev_conds, now)
-    failures = [p for p in observed.problems if p.reason != UNSCHEDULABLE]
+    # Ordered by role, then pod, not as the watch delivered them: the message must not change between passes
+    # (each change is a status write) only because the pods' events arrived in another order.
+    failures = sorted((p for p in observed.problems if p.reason != UNSCHEDULABLE),
+                      key=lambda p: (p.role != "prefill", p.role, p.pod))
     findings = degradations(observed, failures)
     if t_status == "False":
         findings.append((t_reason, t_message))
@@ -309,9 +342,12 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
         degraded = _cond("Degraded", True, reason, message, generation, prev_conds, now)
     else:
         degraded = _cond("Degraded", False, "AsExpected", "no engine failures observed", generation, prev_conds, now)
-    progressing = _cond("Progressing", bool(pending), "RollingOut" if pending else "Settled",
-                        "; ".join(pending) if pending else "all replicas updated and ready", generation,
-                        prev_conds, now)
+    if rollout is not None and rollout.reason == BLOCKED:
+        progressing = _cond("Progressing", False, BLOCKED, rollout.message, generation, prev_conds, now)
+    else:
+        progressing = _cond("Progressing", bool(moving), ROLLING_OUT if moving else COMPLETE,
+                            "; ".join(moving) if moving else "all replicas updated and ready", generation,
+                            prev_conds, now)
     ready_ok = not pending and not failures
     ready = _cond("Ready", ready_ok, "AllReplicasReady" if ready_ok else ("EngineFailed" if failures
                                                                          else "ReplicasNotReady"),
@@ -333,4 +369,7 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
         connector=spec.connector,
         backend=spec.backend,
         mode=spec.kv_transfer.mode,
+        revision=rollout.revision if rollout else (previous.revision if previous else None),
+        revisions=list(rollout.revisions) if rollout else (list(previous.revisions) if previous else []),
+        rollout=progressing.reason,
     )

@@ -77,6 +77,7 @@ class TransportPoller:
         self._reports: dict[Key, TransportReport] = {}
         self._polled_at: dict[Key, float] = {}
         self._tasks: dict[Key, asyncio.Task[None]] = {}
+        self._again: set[Key] = set()  # forced while a refresh ran: its answer may predate what forced it
         self._clients: dict[Key, RendezvousClient] = {}
         self._gate = asyncio.Semaphore(concurrency)
         self.polls = 0
@@ -93,8 +94,11 @@ class TransportPoller:
         return set(self._reports) | set(self._tasks)
 
     def request(self, key: Key, *, force: bool = False) -> None:
-        """Refresh in the background, unless a refresh runs or (without `force`) the last one is recent."""
+        """Refresh in the background, unless (without `force`) the last one is recent. A forced request while a
+        refresh runs makes one more refresh after it, so an answer never predates the change that asked for it."""
         if key in self._tasks:
+            if force:
+                self._again.add(key)
             return
         last = self._polled_at.get(key)
         if not force and last is not None and self._clock() - last < self.interval:
@@ -111,6 +115,9 @@ class TransportPoller:
         finally:
             if self._tasks.get(key) is asyncio.current_task():  # not a newer refresh started after forget()
                 del self._tasks[key]
+                if key in self._again:
+                    self._again.discard(key)
+                    self.request(key, force=True)
 
     async def fetch(self, key: Key) -> TransportReport:
         url = self.url(key)
@@ -127,7 +134,7 @@ class TransportPoller:
             metrics.RENDEZVOUS_POLLS.labels(result="error").inc()
             return TransportReport(url=url, error=describe_error(e))
         metrics.RENDEZVOUS_POLLS.labels(result="ok").inc()
-        engines = tuple(sorted((EngineTransport(a.pod_name or a.engine_id, a.role, a.transport)
+        engines = tuple(sorted((EngineTransport(a.pod_name or a.engine_id, a.role, a.transport, a.pod_uid)
                                 for a in listing.engines if a.deployment == key[1]),
                                key=lambda e: (e.engine, e.role)))
         return TransportReport(url=url, engines=engines)
@@ -151,6 +158,7 @@ class TransportPoller:
         """The deployment is gone: drop its cache, its refresh and its client."""
         self._reports.pop(key, None)
         self._polled_at.pop(key, None)
+        self._again.discard(key)
         task = self._tasks.pop(key, None)
         if task is not None and task is not asyncio.current_task():  # a pass run by the refresh itself
             task.cancel()

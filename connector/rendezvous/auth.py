@@ -118,8 +118,10 @@ def lightkube_reviewer(
 
 
 def pod_name_pattern(deployment: str) -> re.Pattern[str]:
-    """Pods of a deployment's engine StatefulSets: <deployment>-<role>-<ordinal> (or -<group>-<worker>)."""
-    return re.compile(rf"^{re.escape(deployment)}-(?P<role>prefill|decode)-\d+(-\d+)?$")
+    """Pods of a deployment's engine StatefulSets: <deployment>-<role>-<revision>-<ordinal>, or, from an operator
+    release before revisions, <deployment>-<role>-<ordinal> (or -<group>-<worker>)."""
+    return re.compile(rf"^{re.escape(deployment)}-(?P<role>prefill|decode)(-[0-9a-f]{{{wire_env.REVISION_CHARS}}})?"
+                      rf"-\d+(-\d+)?$")
 
 
 class KubernetesAuth(Authenticator):

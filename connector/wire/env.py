@@ -48,6 +48,8 @@ DEFAULT_HEARTBEAT_SECONDS: Final = 5.0
 LEASE_HEARTBEATS: Final = 3
 """An engine's lease is this many heartbeats: one lost renewal never expires it."""
 RENDEZVOUS_PORT: Final = 8080
+REVISION_CHARS: Final = 6
+"""Hex characters of a revision in an engine StatefulSet's name (`<cr>-<role>-<revision>`), so in its pods'."""
 TOKEN_AUDIENCE: Final = "disagg-rendezvous"
 """Audience of the projected engine tokens: the rendezvous accepts only these, and the API server never does."""
 

@@ -39,3 +39,30 @@ def crd_installed(cluster):
         cluster.client.replace(crd)
     watch_until(cluster, CustomResourceDefinition, name, _established, timeout=30, what="Established")
     yield DisaggregatedInference
+
+
+# -- a real rendezvous for rollouts, and a stand-in for the engines that would advertise in it ----------------
+ROLLOUT_TOKEN = "rollout-test-token"
+
+
+@pytest.fixture(scope="module")
+def rendezvous(tmp_path_factory):
+    """A real `disagg rendezvous` the operator reads for every CR (`operator_args`): a rollout drains old engines
+    only once new ones are advertised there."""
+    from support.engines import Service
+
+    svc = Service("rendezvous", ["rendezvous", "--auth", "token", "--token", ROLLOUT_TOKEN,
+                                 "--heartbeat-seconds", "1"], tmp_path_factory.mktemp("rendezvous")).start()
+    svc.operator_args = ["--rendezvous-url-template", svc.url, "--transport-poll-seconds", "1"]
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def advertised(cluster, namespace, rendezvous):
+    """Every Ready engine pod of the test's namespace advertised in `rendezvous` (support/advertiser.py: a fake)."""
+    from support.advertiser import StandInAdvertiser
+
+    adv = StandInAdvertiser(cluster.kubeconfig, namespace, rendezvous.url, ROLLOUT_TOKEN).start()
+    yield adv
+    adv.stop()

@@ -279,7 +279,7 @@ def test_status_subresource_and_printer_columns(cluster, crd_installed, namespac
         "conditions": [{"type": "Ready", "status": "False", "reason": "DecodeNotReady", "message": "0/1 decode"}],
     }}, namespace=namespace, patch_type=PatchType.MERGE)
     out = kubectl(cluster, "get", "dinf", "-n", namespace).stdout.splitlines()
-    assert out[0].split() == ["NAME", "MODE", "PREFILL", "DECODE", "READY", "ENDPOINT", "AGE"]
+    assert out[0].split() == ["NAME", "MODE", "PREFILL", "DECODE", "READY", "ROLLOUT", "ENDPOINT", "AGE"]
     assert out[1].split()[:6] == ["shown", "push", "1/1", "0/1", "False", "http://shown-router:8000"]
 
 
@@ -287,15 +287,15 @@ def test_cr_name_at_the_limit_is_accepted_and_one_past_is_rejected_with_the_limi
                                                                                    dry_run_namespace):
     """The limit is derived from the children's names (tests/unit/test_name_limit.py proves it is exact)."""
     limit = api.NAME_LIMIT.length
-    assert limit == 44
+    assert limit == 37
     at_limit = "q" * (limit - 3) + "-32"
     created = cluster.client.create(crd_installed(metadata={"name": at_limit, "namespace": dry_run_namespace},
                                                   spec=copy.deepcopy(MINIMAL)), dry_run=True)
     assert created.metadata.name == at_limit
     for name, message in [
         (at_limit + "b", f"must be at most {limit} characters, got {limit + 1}: children are named after it, and the "
-                         "longest, the prefill pod label controller-revision-hash <name>-prefill-<10-character "
-                         "hash>, may have at most 63 characters"),
+                         "longest, the prefill pod label controller-revision-hash <name>-prefill-<revision>-"
+                         "<10-character hash>, may have at most 63 characters"),
         ("qwen3.5", "must consist of lowercase letters, digits and '-', start with a letter"),
         ("3b-llama", "children are Services named after it (<name>-router), which must be DNS-1035 labels"),
     ]:

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 from lightkube import codecs
-from lightkube.resources.apps_v1 import StatefulSet
 from lightkube.resources.core_v1 import Pod, ResourceQuota
 from lightkube.types import PatchType
 
-from support.dinf import Dinf, cond, create, is_ready, small
+from support.dinf import Dinf, cond, create, engine_sts, is_ready, small
 from support.kube import pod_unschedulable, watch_until
 from support.operator import OperatorProcess
 
@@ -92,8 +91,9 @@ def test_engine_pods_the_statefulset_cannot_create_make_the_cr_degraded(cluster,
                        what="Degraded FailedCreate for both roles")
     message = cond(dinf, "Degraded")["message"]
     # The StatefulSet controller's own Event message: which pod, which StatefulSet, and the apiserver's refusal.
+    sts = f"{name}-prefill-{dinf.status['revision']}"
     assert message.startswith("the prefill and decode StatefulSets cannot create their pods: Create Pod "
-                              f"{name}-prefill-0 in StatefulSet {name}-prefill failed error: pods \"{name}-prefill-0\" "
+                              f"{sts}-0 in StatefulSet {sts} failed error: pods \"{sts}-0\" "
                               "is forbidden: exceeded quota: no-gpus"), message
     assert "exceeded quota: no-gpus" in message and "requests.nvidia.com/gpu" in message, message
     assert not list(cluster.client.list(Pod, namespace=namespace, labels={"serving.disagg.io/role": "prefill"}))
@@ -101,7 +101,7 @@ def test_engine_pods_the_statefulset_cannot_create_make_the_cr_degraded(cluster,
     cluster.client.delete(ResourceQuota, "no-gpus", namespace=namespace)
     # The StatefulSet controller retries with its own backoff; once the pods exist the failure is history.
     watch_until(cluster, Dinf, name, not_degraded, namespace=namespace, timeout=180, what="Ready, not Degraded")
-    assert cluster.client.get(StatefulSet, f"{name}-prefill", namespace=namespace).status.replicas == 1
+    assert engine_sts(cluster, namespace, name, "prefill").status.replicas == 1
 
 
 def test_a_child_the_apiserver_refuses_makes_the_cr_degraded(cluster, operator, namespace):

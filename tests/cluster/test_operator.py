@@ -14,8 +14,8 @@ from lightkube.types import PatchType
 
 from disagg.devcluster import fleet
 from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
-from support.dinf import Dinf, cond, create, is_ready, small
-from support.kube import watch_until
+from support.dinf import Dinf, cond, create, engine_pod_name, engine_sts, is_ready, revision, small
+from support.kube import watch_list_until, watch_until
 from support.operator import OperatorProcess
 
 pytestmark = pytest.mark.cluster
@@ -44,14 +44,16 @@ def children(cluster, namespace: str, name: str) -> dict[tuple[str, str], str]:
     return out
 
 
-EXPECTED_CHILDREN = {("StatefulSet", "{n}-prefill"), ("StatefulSet", "{n}-decode"), ("Deployment", "{n}-router"),
-                     ("Deployment", "{n}-rendezvous"), ("Service", "{n}-prefill"), ("Service", "{n}-decode"),
-                     ("Service", "{n}-router"), ("Service", "{n}-rendezvous"), ("ConfigMap", "{n}-launch"),
-                     ("PodDisruptionBudget", "{n}-prefill"), ("PodDisruptionBudget", "{n}-decode")}
+EXPECTED_CHILDREN = {("StatefulSet", "{n}-prefill-{r}"), ("StatefulSet", "{n}-decode-{r}"),
+                     ("Deployment", "{n}-router"), ("Deployment", "{n}-rendezvous"), ("Service", "{n}-prefill"),
+                     ("Service", "{n}-decode"), ("Service", "{n}-router"), ("Service", "{n}-rendezvous"),
+                     ("ConfigMap", "{n}-launch-{r}"), ("PodDisruptionBudget", "{n}-prefill"),
+                     ("PodDisruptionBudget", "{n}-decode")}
 
 
-def expected(name: str) -> set[tuple[str, str]]:
-    return {(k, n.format(n=name)) for k, n in EXPECTED_CHILDREN}
+def expected(cluster, namespace: str, name: str) -> set[tuple[str, str]]:
+    rev = revision(cluster, namespace, name)
+    return {(k, n.format(n=name, r=rev)) for k, n in EXPECTED_CHILDREN}
 
 
 @pytest.mark.parametrize("file, instance_type, accel, per_pod, efa, prefill, decode, backend", [
@@ -67,7 +69,7 @@ def test_examples_become_ready_on_the_right_nodes(cluster, operator, namespace, 
     assert dinf.status["decode"] == {"desired": decode, "ready": decode, "updated": decode}
     assert dinf.status["backend"] == backend
     assert dinf.status["endpoint"].startswith(f"http://{name}-router.{namespace}.svc")
-    assert children(cluster, namespace, name).keys() == expected(name)
+    assert children(cluster, namespace, name).keys() == expected(cluster, namespace, name)
 
     pods = list(cluster.client.list(Pod, namespace=namespace, labels={"app.kubernetes.io/instance": name}))
     engines = [p for p in pods if p.metadata.labels.get("serving.disagg.io/role")]
@@ -124,56 +126,58 @@ def test_cpu_example_lands_engines_router_and_rendezvous_on_the_cpu_engine_node(
                 "disagg-models"]
 
 
-def test_scale_changes_only_replicas_and_spec_change_rolls(cluster, operator, namespace):
+def test_scaling_stays_in_the_revision(cluster, operator, namespace):
     name = create(cluster, namespace, small("scale"))
     watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
     c = cluster.client
-    before = c.get(StatefulSet, f"{name}-prefill", namespace=namespace)
-    decode_gen = c.get(StatefulSet, f"{name}-decode", namespace=namespace).metadata.generation
+    rev = revision(cluster, namespace, name)
+    before = engine_sts(cluster, namespace, name, "prefill")
+    decode_gen = engine_sts(cluster, namespace, name, "decode").metadata.generation
 
     c.patch(Dinf, name, {"spec": {"prefill": {"replicas": 3}}}, namespace=namespace, patch_type=PatchType.MERGE)
     dinf = watch_until(cluster, Dinf, name, lambda d: is_ready(d) and d.status["prefill"]["ready"] == 3,
                        namespace=namespace, timeout=60, what="3 prefill ready")
-    assert dinf.status["prefillReady"] == "3/3"
-    after = c.get(StatefulSet, f"{name}-prefill", namespace=namespace)
-    assert after.spec.replicas == 3
+    assert dinf.status["prefillReady"] == "3/3" and dinf.status["revision"] == rev
+    after = engine_sts(cluster, namespace, name, "prefill")
+    assert after.metadata.name == before.metadata.name and after.spec.replicas == 3
     assert after.status.updateRevision == before.status.updateRevision, "scaling must not roll the pods"
-    assert c.get(StatefulSet, f"{name}-decode", namespace=namespace).metadata.generation == decode_gen
-
-    c.patch(Dinf, name, {"spec": {"engine": {"args": ["--enable-prefix-caching"]}}}, namespace=namespace,
-            patch_type=PatchType.MERGE)
-    rolled = watch_until(cluster, StatefulSet, f"{name}-prefill",
-                         lambda s: s.status.updateRevision != before.status.updateRevision,
-                         namespace=namespace, timeout=60, what="a new revision")
-    assert any("--enable-prefix-caching" in line for line in
-               c.get(ConfigMap, f"{name}-launch", namespace=namespace).data["prefill.sh"].splitlines())
-    assert rolled.spec.replicas == 3
-    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready after the roll")
+    assert engine_sts(cluster, namespace, name, "decode").metadata.generation == decode_gen
+    # Back down: the rollout lowers replicas (the withdrawal), the pod above goes.
+    c.patch(Dinf, name, {"spec": {"prefill": {"replicas": 1}}}, namespace=namespace, patch_type=PatchType.MERGE)
+    watch_until(cluster, Dinf, name, lambda d: is_ready(d) and d.status["prefill"]["ready"] == 1,
+                namespace=namespace, timeout=60, what="back to 1 prefill")
+    assert engine_sts(cluster, namespace, name, "prefill").spec.replicas == 1
 
 
 def test_hand_edited_children_are_put_back(cluster, operator, namespace):
     name = create(cluster, namespace, small("edited"))
     watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
     c = cluster.client
-    c.patch(StatefulSet, f"{name}-decode", {"spec": {"replicas": 4}}, namespace=namespace,
-            patch_type=PatchType.MERGE, field_manager="kubectl-edit")
-    watch_until(cluster, StatefulSet, f"{name}-decode", lambda s: s.spec.replicas == 1, namespace=namespace,
-                timeout=30, what="replicas put back to 1")
+    decode = engine_sts(cluster, namespace, name, "decode").metadata.name
+    hash_key = "serving.disagg.io/launch-script-hash"
+    ours = engine_sts(cluster, namespace, name, "decode").spec.template.metadata.annotations[hash_key]
+    c.patch(StatefulSet, decode, {"spec": {"template": {"metadata": {"annotations": {hash_key: "edited"}}}}},
+            namespace=namespace, patch_type=PatchType.STRATEGIC, field_manager="kubectl-edit")
+    watch_until(cluster, StatefulSet, decode, lambda s: s.spec.template.metadata.annotations[hash_key] == ours,
+                namespace=namespace, timeout=30, what="pod template put back")
     svc = c.get(Service, f"{name}-router", namespace=namespace)
     port = svc.spec.ports[0].port
     c.patch(Service, f"{name}-router", {"spec": {"ports": [{"name": "http", "port": port + 1, "targetPort": 8000}]}},
             namespace=namespace, patch_type=PatchType.MERGE, field_manager="kubectl-edit")
     watch_until(cluster, Service, f"{name}-router", lambda s: [p.port for p in s.spec.ports] == [port],
                 namespace=namespace, timeout=30, what="router port put back")
-    c.delete(ConfigMap, f"{name}-launch", namespace=namespace)
-    watch_until(cluster, ConfigMap, f"{name}-launch", lambda cm: cm.metadata.deletionTimestamp is None,
+    launch = f"{name}-launch-{revision(cluster, namespace, name)}"
+    c.delete(ConfigMap, launch, namespace=namespace)
+    watch_until(cluster, ConfigMap, launch, lambda cm: cm.metadata.deletionTimestamp is None,
                 namespace=namespace, timeout=30, what="launch ConfigMap recreated")
     # (The rendezvous' token Secret and ClusterRoleBinding: tests/cluster/test_rendezvous_binding.py.)
 
 
 def test_noop_resync_writes_nothing(cluster, operator, namespace):
     name = create(cluster, namespace, small("steady"))
-    watch_until(cluster, Dinf, name, lambda d: is_ready(d) and cond(d, "Progressing")["status"] == "False",
+    # Ready, and nothing for the rollout to do but wait for the engines to be advertised (kwok runs no engines,
+    # and this operator reads no rendezvous): a world that stays as it is.
+    watch_until(cluster, Dinf, name, lambda d: is_ready(d) and "advertised" in cond(d, "Progressing")["message"],
                 namespace=namespace, timeout=60, what="settled")
     # Let the status pass that follows the last child event land before taking the snapshot.
     operator.await_quiet()
@@ -191,7 +195,11 @@ def test_events_name_what_was_created(cluster, operator, namespace):
     watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
     events = [e for e in cluster.client.list(Event, namespace=namespace, fields={"involvedObject.name": name})]
     created = [e for e in events if e.reason == "Created"]
-    assert created and "StatefulSet/events-prefill" in " ".join(e.message for e in created)
+    steps = [e for e in events if e.reason == "RolloutStep"]
+    assert created and f"ConfigMap/events-launch-{revision(cluster, namespace, name)}" in \
+        " ".join(e.message for e in created)
+    rev = revision(cluster, namespace, name)
+    assert [e.message.split(":")[0] for e in steps] == [f"scale up revision {rev} to 1P1D"]
 
 
 def test_engine_preflight_failure_becomes_degraded(cluster, operator, namespace):
@@ -199,7 +207,7 @@ def test_engine_preflight_failure_becomes_degraded(cluster, operator, namespace)
     a FAKE of the one thing this machine cannot produce (an engine pod on a node without EFA userspace)."""
     name = create(cluster, namespace, small("noefa"))
     watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
-    pod = f"{name}-prefill-0"
+    pod = engine_pod_name(cluster, namespace, name, "prefill")
     reason = "preflight: EFA requested but the libfabric efa provider is missing (fi_info -p efa failed)"
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     cluster.client.patch(Pod.Status, pod, {"status": {
@@ -243,13 +251,14 @@ def test_deleting_the_cr_deletes_every_child(cluster, operator, namespace):
 def test_killed_mid_reconcile_converges_without_duplicates(cluster, operator, namespace):
     name = create(cluster, namespace, small("crash"))
     # Kill the operator as soon as the first child exists: the pass is in flight.
-    watch_until(cluster, ConfigMap, f"{name}-launch", lambda cm: True, namespace=namespace, timeout=30)
+    watch_list_until(cluster, ConfigMap, lambda cm: cm.metadata.name.startswith(f"{name}-launch-"),
+                     namespace=namespace, timeout=30, what="the launch ConfigMap")
     operator.kill()
     partial = children(cluster, namespace, name)
     operator.start()
     watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready after restart")
-    assert children(cluster, namespace, name).keys() == expected(name)
-    assert len(partial) <= len(expected(name))
+    assert children(cluster, namespace, name).keys() == expected(cluster, namespace, name)
+    assert len(partial) <= len(expected(cluster, namespace, name))
     pods = cluster.client.list(Pod, namespace=namespace, labels={"app.kubernetes.io/instance": name})
     assert sorted(p.metadata.name for p in pods if p.metadata.labels.get("serving.disagg.io/role")) == \
-        [f"{name}-decode-0", f"{name}-prefill-0"]
+        [engine_pod_name(cluster, namespace, name, "decode"), engine_pod_name(cluster, namespace, name, "prefill")]

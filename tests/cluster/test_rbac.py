@@ -19,7 +19,7 @@ from lightkube.types import PatchType
 
 from disagg.operator import crdgen
 from disagg.operator.names import rendezvous_binding_name
-from support.dinf import Dinf, cond, create, is_ready, small
+from support.dinf import Dinf, cond, create, is_ready, revision, small
 from support.kube import token_kubeconfig, watch_list_until, watch_until
 from support.operator import OperatorProcess
 from support.tools import ALL_OPTIONS, REPO, can_i, rules_of, template
@@ -46,8 +46,11 @@ def test_rules_never_grant_wildcards_deletion_or_reading_secrets(args):
         if "delete" in rule["verbs"]:
             # The one documented exception (rbac.tokenReview): the per-CR rendezvous ClusterRoleBindings are
             # cluster-scoped, so no garbage collection removes them; the operator deletes the ones it made.
-            assert rule == {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterrolebindings"],
-                            "verbs": ["list", "create", "patch", "delete"]}, rule
+            # And a rollout retiring an older revision: its StatefulSets and launch ConfigMap.
+            assert rule in ({"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterrolebindings"],
+                             "verbs": ["list", "create", "patch", "delete"]},
+                            {"apiGroups": ["apps"], "resources": ["statefulsets"], "verbs": ["delete"]},
+                            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["delete"]}), rule
             continue
         if "bind" in rule["verbs"]:
             # What those bindings grant: TokenReview (system:auth-delegator), and nothing else.
@@ -114,7 +117,8 @@ def test_examples_reconcile_as_the_charts_service_account(cluster, crd_installed
     sa = next(o for o in objs if o["kind"] == "ServiceAccount")["metadata"]["name"]
     kubeconfig = token_kubeconfig(cluster, namespace, sa, tmp_path / "kubeconfig")
     assert can_i(kubeconfig, "patch", "statefulsets.apps", "-n", namespace)
-    for denied in (("get", "secrets"), ("list", "secrets"), ("delete", "statefulsets.apps"), ("create", "pods"),
+    assert can_i(kubeconfig, "delete", "statefulsets.apps", "-n", namespace)  # retiring a revision
+    for denied in (("get", "secrets"), ("list", "secrets"), ("delete", "deployments.apps"), ("create", "pods"),
                    ("update", "deployments.apps"), ("delete", "disaggregatedinferences.serving.disagg.io"),
                    ("create", "serviceaccounts", "--subresource=token"), ("delete", "serviceaccounts")):
         assert not can_i(kubeconfig, *denied, "-n", namespace), f"the chart's role must not allow {denied}"
@@ -142,9 +146,10 @@ def test_examples_reconcile_as_the_charts_service_account(cluster, crd_installed
         assert created, "the operator posts Events with its own identity"
 
         # A deleted child is noticed and recreated: the path that reads the CR (get) and creates again.
-        launch = cluster.client.get(ConfigMap, f"{names[0]}-launch", namespace=namespace)
-        cluster.client.delete(ConfigMap, f"{names[0]}-launch", namespace=namespace)
-        watch_until(cluster, ConfigMap, f"{names[0]}-launch", lambda cm: cm.metadata.uid != launch.metadata.uid,
+        launch_name = f"{names[0]}-launch-{revision(cluster, namespace, names[0])}"
+        launch = cluster.client.get(ConfigMap, launch_name, namespace=namespace)
+        cluster.client.delete(ConfigMap, launch_name, namespace=namespace)
+        watch_until(cluster, ConfigMap, launch_name, lambda cm: cm.metadata.uid != launch.metadata.uid,
                     namespace=namespace, timeout=30, what="recreated")
         # A spec change rolls through: apply of existing children, then status.
         cluster.client.patch(Dinf, names[0], {"spec": {"decode": {"replicas": 2}}}, namespace=namespace,
@@ -217,8 +222,10 @@ def _without_statefulset_writes(objs: list[dict]) -> list[dict]:
     rules = []
     for rule in role["rules"]:
         if "statefulsets" in rule["resources"]:
-            rules.append({**rule, "resources": [r for r in rule["resources"] if r != "statefulsets"]})
-            rules.append({**rule, "resources": ["statefulsets"], "verbs": ["list", "watch"]})
+            if rule["resources"] != ["statefulsets"]:
+                rules.append({**rule, "resources": [r for r in rule["resources"] if r != "statefulsets"]})
+            if "list" in rule["verbs"]:
+                rules.append({**rule, "resources": ["statefulsets"], "verbs": ["list", "watch"]})
         else:
             rules.append(rule)
     role["rules"] = rules
@@ -252,7 +259,8 @@ def test_a_missing_permission_is_reported_and_the_operator_keeps_running(cluster
         # Not a crash loop, not a silent stop: the process lives, answers its liveness probe, and what it may
         # create it did create (the launch ConfigMap comes before the StatefulSets).
         assert op.proc.poll() is None and healthy(op)
-        cluster.client.get(ConfigMap, f"{name}-launch", namespace=namespace)
+        launch = cluster.client.list(ConfigMap, namespace=namespace, labels={"app.kubernetes.io/instance": name})
+        assert [cm.metadata.name.startswith(f"{name}-launch-") for cm in launch] == [True]
         assert not list(cluster.client.list(StatefulSet, namespace=namespace))
         dinf = cluster.client.get(Dinf, name, namespace=namespace)
         assert cond(dinf, "Ready") is None or cond(dinf, "Ready")["status"] != "True"

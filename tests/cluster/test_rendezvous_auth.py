@@ -19,7 +19,7 @@ from disagg import cli
 from disagg.connector.rendezvous.server import build_server
 from disagg.connector.wire.env import TOKEN_AUDIENCE as DEFAULT_AUDIENCE
 from disagg.operator.names import rendezvous_binding_name
-from support.dinf import Dinf, create, is_ready, small
+from support.dinf import Dinf, create, engine_pod_name, is_ready, small
 from support.kube import token_kubeconfig, watch_until
 from support.operator import OperatorProcess
 from support.rendezvous import advert_json
@@ -162,8 +162,9 @@ async def test_the_operators_binding_lets_the_rendezvous_verify_its_engines_toke
                                 what="Ready")
     await asyncio.to_thread(watch_until, cluster, ClusterRoleBinding, rendezvous_binding_name(namespace, alpha),
                             lambda b: True, timeout=30)
-    pods = {p: cluster.client.get(Pod, p, namespace=namespace)
-            for p in (f"{alpha}-prefill-0", f"{alpha}-decode-0", f"{beta}-decode-0")}
+    a_prefill, a_decode, b_decode = (engine_pod_name(cluster, namespace, cr, role)
+                                     for cr, role in ((alpha, "prefill"), (alpha, "decode"), (beta, "decode")))
+    pods = {p: cluster.client.get(Pod, p, namespace=namespace) for p in (a_prefill, a_decode, b_decode)}
     tokens = {p: _engine_token(cluster, pod) for p, pod in pods.items()}
 
     as_alpha = token_kubeconfig(cluster, namespace, f"{alpha}-rendezvous", tmp_path / "alpha")
@@ -194,15 +195,15 @@ async def test_the_operators_binding_lets_the_rendezvous_verify_its_engines_toke
                                         headers={"Authorization": f"Bearer {tokens[pod_name]}"}) as resp:
                         return resp.status, json.loads(await resp.read())
 
-                for pod_name in (f"{alpha}-prefill-0", f"{alpha}-decode-0"):
+                for pod_name in (a_prefill, a_decode):
                     status, body = await put("alpha", pod_name)
                     assert status == 201, body
-                status, body = await put("alpha", f"{beta}-decode-0")
+                status, body = await put("alpha", b_decode)
                 assert status == 403 and f"not an engine of deployment '{alpha}'" in body["error"], body
-                status, body = await put("unbound", f"{alpha}-prefill-0")
+                status, body = await put("unbound", a_prefill)
                 assert status == 503 and body["reason"] == "auth_unavailable", body
             assert sorted(a.pod_name for a in servers["alpha"].registry.engines()) == \
-                [f"{alpha}-decode-0", f"{alpha}-prefill-0"]
+                [a_decode, a_prefill]
             assert len(servers["unbound"].registry) == 0
         finally:
             for s in servers.values():

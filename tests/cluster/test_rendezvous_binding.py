@@ -19,8 +19,8 @@ from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 from lightkube.types import PatchType
 
 from disagg.operator.names import rendezvous_binding_name
-from support.dinf import Dinf, create, is_ready, small
-from support.kube import watch_until
+from support.dinf import Dinf, create, engine_sts, is_ready, small
+from support.kube import watch_list_until, watch_until
 from support.operator import OperatorProcess
 
 pytestmark = pytest.mark.cluster
@@ -82,7 +82,7 @@ def test_the_binding_is_created_for_a_cr_and_removed_when_the_cr_is_deleted(clus
     rendezvous = cluster.client.get(Deployment, f"{name}-rendezvous", namespace=namespace).spec.template.spec
     assert rendezvous.serviceAccountName == f"{name}-rendezvous"
     assert rendezvous.containers[0].command[-4:] == ["--auth", "kubernetes", "--deployment", name]
-    engine = cluster.client.get(StatefulSet, f"{name}-decode", namespace=namespace).spec.template.spec
+    engine = engine_sts(cluster, namespace, name, "decode").spec.template.spec
     [token] = [v for v in engine.volumes if v.name == "rendezvous-token"]
     assert token.projected.sources[0].serviceAccountToken.audience == "disagg-rendezvous"
     assert not list(cluster.client.list(Secret, namespace=namespace, labels={"app.kubernetes.io/instance": name})), \
@@ -123,7 +123,19 @@ def test_a_binding_left_by_a_cr_deleted_while_the_operator_was_down_is_removed_b
     assert has_binding(cluster, f"decoy-{namespace}"), "a binding the operator did not make is never deleted"
 
 
-def test_switching_to_token_revokes_the_binding_and_uses_a_shared_secret(cluster, operator, namespace):
+@pytest.fixture
+def rolling_operator(cluster, crd_installed, rendezvous, tmp_path):
+    """An operator that reads `rendezvous`, where the engines are advertised: an auth switch is a new revision,
+    which rolls out only as new engines are advertised."""
+    op = OperatorProcess(cluster.kubeconfig, tmp_path / "operator.log", resync_seconds=3,
+                         extra=rendezvous.operator_args)
+    op.start()
+    yield op
+    op.stop()
+
+
+def test_switching_to_token_revokes_the_binding_and_uses_a_shared_secret(cluster, rolling_operator, namespace,
+                                                                         advertised):
     name = create(cluster, namespace, small("switch"))
     watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60, what="Ready")
     await_binding(cluster, namespace, name)
@@ -134,10 +146,11 @@ def test_switching_to_token_revokes_the_binding_and_uses_a_shared_secret(cluster
     token = watch_until(cluster, Secret, f"{name}-rendezvous-token", _exists, namespace=namespace, timeout=30,
                         what="created")
     assert token.metadata.ownerReferences[0].name == name and token.data["token"]
-    engine = watch_until(cluster, StatefulSet, f"{name}-prefill",
-                         lambda s: "DISAGG_RENDEZVOUS_TOKEN" in [e.name for e in
-                                                                 s.spec.template.spec.containers[0].env],
-                         namespace=namespace, timeout=30, what="engines use the shared token")
+    # A new revision: the engines' pod template changed.
+    engine = watch_list_until(cluster, StatefulSet,
+                              lambda s: s.metadata.labels.get("app.kubernetes.io/component") == "prefill" and
+                              "DISAGG_RENDEZVOUS_TOKEN" in [e.name for e in s.spec.template.spec.containers[0].env],
+                              namespace=namespace, timeout=30, what="engines use the shared token")
     assert "rendezvous-token" not in [v.name for v in engine.spec.template.spec.volumes]
     watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60, what="Ready after the switch")
 
@@ -146,5 +159,5 @@ def test_switching_to_token_revokes_the_binding_and_uses_a_shared_secret(cluster
     back = watch_until(cluster, Secret, f"{name}-rendezvous-token", lambda s: s.metadata.uid != token.metadata.uid,
                        namespace=namespace, timeout=30, what="token Secret recreated")
     assert back.data["token"] != token.data["token"]
-    operator.await_quiet()
+    rolling_operator.await_quiet()
     assert not has_binding(cluster, rendezvous_binding_name(namespace, name)), "a token-mode CR gets no binding back"

@@ -57,10 +57,12 @@ def test_transport_verified_follows_what_engines_report(cluster, crd_installed, 
         assert dinf.status["backend"] == "LIBFABRIC", "the p5en example uses EFA"
         assert transport(dinf)["status"] == "Unknown"
 
-        # Both engines report UCX: NIXL's LIBFABRIC backend did not start and KV moves over TCP.
+        # Both engines report UCX: NIXL's LIBFABRIC backend did not start and KV moves over TCP. They register one
+        # after the other, so a status pass between the two names only the first: await the one that names both.
         register(rendezvous.url, name, "UCX")
-        dinf = watch_until(cluster, Dinf, name, lambda d: transport(d).get("status") == "False",
-                           namespace=namespace, timeout=60, what="TransportVerified False")
+        dinf = watch_until(cluster, Dinf, name, lambda d: transport(d).get("status") == "False"
+                           and f"{name}-decode-0" in transport(d)["message"],
+                           namespace=namespace, timeout=60, what="TransportVerified False for both engines")
         t = transport(dinf)
         assert t["reason"] == "TransportMismatch"
         assert t["message"].startswith(f"engines {name}-decode-0, {name}-prefill-0 report UCX, but LIBFABRIC was "

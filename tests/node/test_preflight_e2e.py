@@ -19,9 +19,11 @@ def test_a_failing_preflight_ends_in_degraded_with_the_containers_termination_me
     small_shm = {"spec": {"volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}]}}
     deploy(cluster, real_node, module_namespace, "tiny-shm", "push", wait=False,
            prefill={"podTemplate": small_shm}, decode={"podTemplate": small_shm})
+    # Either role may fail first; once the prefill has, Degraded names it (prefill pods come first).
     degraded = watch_until(cluster, Dinf, "tiny-shm",
-                           lambda d: (c := cond(d, "Degraded")) is not None and c["status"] == "True",
-                           namespace=module_namespace, timeout=180, what="Degraded")
+                           lambda d: (c := cond(d, "Degraded")) is not None and c["status"] == "True"
+                           and "disagg preflight (prefill)" in c["message"],
+                           namespace=module_namespace, timeout=180, what="Degraded, naming the prefill pod")
     (pod,) = cluster.client.list(Pod, namespace=module_namespace, labels={
         names.LABEL_INSTANCE: "tiny-shm", names.LABEL_COMPONENT: "prefill"})
     engine = next(s for s in pod.status.containerStatuses if s.name == "engine")

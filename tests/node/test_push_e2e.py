@@ -17,7 +17,7 @@ import pytest
 from lightkube.resources.core_v1 import ConfigMap, Pod
 
 from disagg.operator import names
-from support.dinf import Dinf, cond
+from support.dinf import Dinf, cond, revision
 from support.engines import Load, check_outputs, completion, metric
 from support.kube import pod_ready, watch_until
 from support.node import Deployed, deploy
@@ -45,7 +45,11 @@ def test_engines_run_as_pods_on_the_node_and_the_transport_is_verified(cluster, 
         pod = engine_pod(cluster, push, role)
         assert pod.spec.nodeName == real_node.name and pod_ready(pod)
         assert [s.state.terminated.exitCode for s in pod.status.initContainerStatuses] == [0]  # install-plugin
-    dinf = cluster.client.get(Dinf, push.name, namespace=push.namespace)
+    # Ready is about pods; the engines' reported transport follows from the next rendezvous read (forced as soon as
+    # a Ready engine is not listed), within seconds.
+    dinf = watch_until(cluster, Dinf, push.name,
+                       lambda d: (cond(d, "TransportVerified") or {}).get("status") != "Unknown",
+                       namespace=push.namespace, timeout=30, what="a transport verdict")
     verified = cond(dinf, "TransportVerified")
     assert (verified["status"], verified["reason"]) == ("True", "TransportMatches"), verified
 
@@ -206,9 +210,10 @@ def test_deleting_the_operator_pod_fails_no_request_and_it_converges_again(clust
         watch_until(cluster, Pod, old.metadata.name, lambda p: False, namespace=operator_release.namespace,
                     timeout=60, what="gone", gone_ok=True)
         # Converges: a child removed while no operator ran is put back by the new one.
-        cluster.client.delete(ConfigMap, names.launch_configmap_name(push.name), namespace=push.namespace)
-        watch_until(cluster, ConfigMap, names.launch_configmap_name(push.name), lambda _cm: True,
-                    namespace=push.namespace, timeout=180, what="recreated")
+        launch = names.launch_configmap_name(push.name, revision(cluster, push.namespace, push.name))
+        cluster.client.delete(ConfigMap, launch, namespace=push.namespace)
+        watch_until(cluster, ConfigMap, launch, lambda _cm: True, namespace=push.namespace, timeout=180,
+                    what="recreated")
         load.await_results(len(load.results) + 5, timeout=120)
     finally:
         results = load.stop()

@@ -27,8 +27,19 @@ def child(children: list[dict], kind: str, name: str) -> dict:
     [obj] = [c for c in children if c["kind"] == kind and c["metadata"]["name"] == name]
     return obj
 
+def statefulset(children: list[dict], role: str, cr: str = "qwen") -> dict:
+    """The role's StatefulSet (the current revision's: build_children makes only that one)."""
+    [obj] = [c for c in children if c["kind"] == "StatefulSet"
+             and c["metadata"]["labels"]["app.kubernetes.io/instance"] == cr
+             and c["metadata"]["labels"]["app.kubernetes.io/component"] == role]
+    return obj
+
+def launch_configmap(children: list[dict]) -> dict:
+    [obj] = [c for c in children if c["kind"] == "ConfigMap"]
+    return obj
+
 def pod(children: list[dict], role: str, cr: str = "qwen") -> dict:
-    return child(children, "StatefulSet", f"{cr}-{role}")["spec"]["template"]
+    return statefulset(children, role, cr)["spec"]["template"]
 
 def engine(children: list[dict], role: str) -> dict:
     [c] = [c for c in pod(children, role)["spec"]["containers"] if c["name"] == "engine"]

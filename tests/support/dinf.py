@@ -30,3 +30,25 @@ def small(name: str, **spec) -> dict:
             "prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}}
     return {"apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference",
             "metadata": {"name": name}, "spec": {**base, **spec}}
+
+
+def revision(cluster, namespace: str, name: str) -> str:
+    """The revision the operator says the CR's spec asks for (status.revision)."""
+    rev = (cluster.client.get(Dinf, name, namespace=namespace).status or {}).get("revision")
+    assert rev, f"{namespace}/{name} reports no revision yet"
+    return rev
+
+
+def engine_sts(cluster, namespace: str, name: str, role: str, rev: str | None = None):
+    """The role's StatefulSet of revision `rev` (default: the current one, status.revision)."""
+    from lightkube.resources.apps_v1 import StatefulSet
+
+    rev = rev or revision(cluster, namespace, name)
+    [sts] = cluster.client.list(StatefulSet, namespace=namespace, labels={
+        "app.kubernetes.io/instance": name, "app.kubernetes.io/component": role, "serving.disagg.io/revision": rev})
+    return sts
+
+
+def engine_pod_name(cluster, namespace: str, name: str, role: str, ordinal: int = 0) -> str:
+    """An engine pod's name in the current revision: `<statefulset>-<ordinal>`."""
+    return f"{engine_sts(cluster, namespace, name, role).metadata.name}-{ordinal}"

@@ -12,6 +12,7 @@ from disagg.operator.builders import build_children
 from disagg.operator.meta import OperatorImages
 from disagg.operator.plan import Applied, child_key, digest, plan_children
 from disagg.operator.reconciler import Reconciler
+from support.crs import launch_configmap, statefulset
 
 
 def cr(**spec) -> DisaggregatedInference:
@@ -36,13 +37,15 @@ def test_plan_applies_what_is_new_changed_or_drifted_and_everything_when_thoroug
     assert quiet.to_apply == () and quiet.skipped == len(DESIRED)
     assert {s.why for s in plan_children(DESIRED, known, set(), thorough=True).steps} == {"verify"}
 
-    sts = ("StatefulSet", "ml", "m-decode")
+    sts = child_key(statefulset(DESIRED, "decode", cr="m"))
+    assert sts[2].startswith("m-decode-")
     drifted = plan_children(DESIRED, known, {sts}, thorough=False)
     assert [(s.key, s.why) for s in drifted.to_apply] == [(sts, "drifted")]
 
     scaled = build_children(cr(decode={"replicas": 3}))
     changed = plan_children(scaled, known, set(), thorough=False)
-    assert [(s.key, s.why) for s in changed.to_apply] == [(sts, "changed")], "only the decode StatefulSet changed"
+    assert [(s.key, s.why) for s in changed.to_apply] == [(sts, "changed")], \
+        "only the decode StatefulSet changed: replicas are not part of the revision"
 
 
 def test_digest_is_of_the_manifest_only():
@@ -113,16 +116,23 @@ def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserve
         return {**obj, "metadata": {**obj["metadata"], "generation": generation, "resourceVersion": "1"}}, created
 
     r._apply = apply  # type: ignore[method-assign]
+    support = build_children(cr(), statefulsets=False)  # the engine StatefulSets are the rollout's to write
+    assert len(support) == len(DESIRED) - 2
     first = asyncio.run(r.apply_children(cr()))
-    assert len(first.created) == len(calls) == len(DESIRED)
+    assert len(first.created) == len(calls) == len(support)
     calls.clear()
     again = asyncio.run(r.apply_children(cr()))
-    assert calls == [] and again.created == again.updated == [] and again.unchanged == len(DESIRED)
+    assert calls == [] and again.created == again.updated == [] and again.unchanged == len(support)
     resync = asyncio.run(r.apply_children(cr(), thorough=True))
-    assert len(calls) == len(DESIRED) and resync.created == resync.updated == []
+    assert len(calls) == len(support) and resync.created == resync.updated == []
     calls.clear()
-    scaled = asyncio.run(r.apply_children(cr(decode={"replicas": 3})))
-    assert calls == ["StatefulSet/m-decode"] and scaled.updated == ["StatefulSet/m-decode"]
+    asyncio.run(r.apply_children(cr(decode={"replicas": 3})))
+    assert calls == [], "replicas are the rollout's"
+    changed = asyncio.run(r.apply_children(cr(decode={"args": ["--max-num-seqs", "8"]})))
+    [launch] = [c for c in calls if c.startswith("ConfigMap/")]
+    assert launch != f"ConfigMap/{launch_configmap(DESIRED)['metadata']['name']}" and changed.created == [launch], \
+        "a new revision gets its own launch scripts; the old revision's stay"
+    calls.clear()
     # A restarted operator knows nothing: it applies everything, and reports nothing as created.
     fresh = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
     fresh._apply = apply  # type: ignore[method-assign]

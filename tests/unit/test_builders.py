@@ -9,7 +9,7 @@ import yaml
 from disagg.operator import names
 from disagg.operator.builders import build_children
 from disagg.operator.merge import deep_merge
-from support.crs import UID, engine, env_of, make_cr, pod
+from support.crs import UID, engine, env_of, make_cr, pod, statefulset
 
 
 def test_every_child_is_owned_by_the_cr_in_its_namespace():
@@ -24,12 +24,14 @@ def test_every_child_is_owned_by_the_cr_in_its_namespace():
             "uid": UID, "controller": True, "blockOwnerDeletion": True}]
         assert obj["metadata"]["labels"][names.LABEL_INSTANCE] == "qwen"
         assert obj["metadata"]["labels"][names.LABEL_MANAGED_BY] == "disagg-operator"
+    rev = statefulset(children, "prefill")["metadata"]["labels"][names.LABEL_REVISION]
+    assert len(rev) == names.REVISION_CHARS
     kinds = sorted((c["kind"], c["metadata"]["name"]) for c in children)
     assert kinds == sorted([
-        ("ConfigMap", "qwen-launch"), ("Service", "qwen-rendezvous"), ("Deployment", "qwen-rendezvous"),
+        ("ConfigMap", f"qwen-launch-{rev}"), ("Service", "qwen-rendezvous"), ("Deployment", "qwen-rendezvous"),
         ("ServiceAccount", "qwen-rendezvous"), ("ClusterRoleBinding", "disagg-rendezvous:ml:qwen"),
-        ("Service", "qwen-prefill"), ("StatefulSet", "qwen-prefill"), ("PodDisruptionBudget", "qwen-prefill"),
-        ("Service", "qwen-decode"), ("StatefulSet", "qwen-decode"), ("PodDisruptionBudget", "qwen-decode"),
+        ("Service", "qwen-prefill"), ("StatefulSet", f"qwen-prefill-{rev}"), ("PodDisruptionBudget", "qwen-prefill"),
+        ("Service", "qwen-decode"), ("StatefulSet", f"qwen-decode-{rev}"), ("PodDisruptionBudget", "qwen-decode"),
         ("Service", "qwen-router"), ("Deployment", "qwen-router")])
 
 def test_offline_render_has_no_owner_references():
@@ -46,7 +48,9 @@ def test_selectors_use_only_instance_and_component_and_match_pod_labels():
             selector = obj["spec"]["selector"]
         else:
             continue
-        assert set(selector) == {names.LABEL_INSTANCE, names.LABEL_COMPONENT}
+        # A StatefulSet selects its own revision's pods; Services and PDBs every revision's.
+        extra = {names.LABEL_REVISION} if obj["kind"] == "StatefulSet" else set()
+        assert set(selector) == {names.LABEL_INSTANCE, names.LABEL_COMPONENT} | extra
         if "template" in obj["spec"]:
             assert selector.items() <= obj["spec"]["template"]["metadata"]["labels"].items()
     assert pod(children, "decode")["metadata"]["labels"]["serving.disagg.io/role"] == "decode"
@@ -95,7 +99,15 @@ def test_children_share_no_objects():
 def test_names():
     assert names.engine_name("a", "prefill") == "a-prefill"
     assert names.router_name("a") == "a-router" and names.rendezvous_name("a") == "a-rendezvous"
-    assert names.launch_configmap_name("a") == "a-launch"
+    assert names.launch_configmap_name("a", "0a1b2c") == "a-launch-0a1b2c"
+    assert names.engine_statefulset_name("a", "decode", "0a1b2c") == "a-decode-0a1b2c"
+    with pytest.raises(ValueError):
+        names.engine_statefulset_name("a", "decode", "legacy")
+    # Both StatefulSet names, and the ones made before revisions, lead back to their CR and role.
+    assert names.engine_owner("a-decode-0a1b2c") == ("a", "decode")
+    assert names.engine_owner("a-prefill") == ("a", "prefill")
+    assert names.engine_owner("x-prefill-0a1b2c-decode-ffffff") == ("x-prefill-0a1b2c", "decode")
+    assert names.engine_owner("a-router") is None and names.engine_owner("-decode") is None
     with pytest.raises(ValueError):
         names.engine_name("a", "router")
     assert names.labels("a", "router") == {

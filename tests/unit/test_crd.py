@@ -173,7 +173,7 @@ def test_status_subresource_and_printer_columns(crd):
     version = crd["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
     assert [c["name"] for c in version["additionalPrinterColumns"]] == \
-        ["Mode", "Prefill", "Decode", "Ready", "Endpoint", "Transport", "Age"]
+        ["Mode", "Prefill", "Decode", "Ready", "Rollout", "Revision", "Endpoint", "Transport", "Age"]
     transport = next(c for c in version["additionalPrinterColumns"] if c["name"] == "Transport")
     assert transport["priority"] == 1, "kubectl get -o wide only"
     assert crd["spec"]["names"]["shortNames"] == ["dinf"]

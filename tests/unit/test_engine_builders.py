@@ -11,7 +11,7 @@ from disagg.operator.api import DisaggregatedInference
 from disagg.operator.builders import OperatorImages, build_children, engine_args
 from disagg.operator.merge import deep_merge
 from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
-from support.crs import child, engine, env_of, kv_config, make_cr, pod
+from support.crs import child, engine, env_of, kv_config, launch_configmap, make_cr, pod, statefulset
 
 
 def test_p5en_tp4_gets_four_gpus_eight_efa_hugepages_and_privileged():
@@ -62,7 +62,7 @@ def test_efa_off_drops_efa_resources_env_and_uses_ucx():
         # No EFA to register GPU memory with: the privileged escape hatch is not needed.
         assert c["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
         assert kv_config(cr, role)["kv_connector_extra_config"]["backends"] == ["UCX"]
-    script = child(children, "ConfigMap", "qwen-launch")["data"]["prefill.sh"]
+    script = launch_configmap(children)["data"]["prefill.sh"]
     assert "fi_info" not in script and "HugePages_Total" not in script
 
 def test_explicit_efa_count_is_used():
@@ -214,7 +214,8 @@ def test_container_basics_volumes_and_plugin_init_container():
     assert init["command"] == ["disagg", "install-plugin", "/opt/disagg"]
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
-    assert volumes["launch"]["configMap"] == {"name": "qwen-launch", "defaultMode": 0o755}
+    launch = launch_configmap(build_children(make_cr(), images=images))["metadata"]["name"]
+    assert volumes["launch"]["configMap"] == {"name": launch, "defaultMode": 0o755}
     assert volumes["disagg-plugin"]["emptyDir"] == {}
     assert volumes["hf-cache"]["emptyDir"] == {}
     mounts = {m["mountPath"]: m["name"] for m in eng["volumeMounts"]}
@@ -286,8 +287,8 @@ def test_port_collision_is_rejected_naming_the_field():
 
 def test_statefulset_and_pdb_shape():
     children = build_children(make_cr({"decode": {"replicas": 3}}))
-    sts = child(children, "StatefulSet", "qwen-decode")["spec"]
-    assert sts["replicas"] == 3 and sts["serviceName"] == "qwen-decode"
+    sts = statefulset(children, "decode")["spec"]
+    assert sts["replicas"] == 3 and sts["serviceName"] == "qwen-decode", "one headless Service for every revision"
     assert sts["podManagementPolicy"] == "Parallel" and sts["updateStrategy"] == {"type": "RollingUpdate"}
     pdb = child(children, "PodDisruptionBudget", "qwen-prefill")
     assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1
@@ -342,7 +343,7 @@ def test_node_selector_and_tolerations_merge():
 
 def test_launch_configmap_and_hash_annotation_roll_pods_on_arg_change():
     children = build_children(make_cr())
-    data = child(children, "ConfigMap", "qwen-launch")["data"]
+    data = launch_configmap(children)["data"]
     assert sorted(data) == ["decode.sh", "prefill.sh"]
     assert '"kv_role":"kv_consumer"' in data["decode.sh"] and '"kv_role":"kv_producer"' in data["prefill.sh"]
     before = pod(children, "decode")["metadata"]["annotations"]
@@ -350,6 +351,23 @@ def test_launch_configmap_and_hash_annotation_roll_pods_on_arg_change():
     assert after["metadata"]["annotations"] != before
     assert pod(build_children(make_cr({"decode": {"args": ["--max-num-seqs", "8"]}})), "prefill")[
         "metadata"]["annotations"] == pod(children, "prefill")["metadata"]["annotations"]
+
+
+def test_a_revision_is_what_either_role_runs_and_not_how_many():
+    base = build_children(make_cr())
+    rev = statefulset(base, "prefill")["metadata"]["labels"][names.LABEL_REVISION]
+    assert statefulset(base, "decode")["metadata"]["labels"][names.LABEL_REVISION] == rev, "one revision, both roles"
+    assert launch_configmap(base)["metadata"]["name"] == f"qwen-launch-{rev}"
+    for role in ("prefill", "decode"):
+        sts = statefulset(base, role)
+        assert sts["spec"]["template"]["metadata"]["labels"][names.LABEL_REVISION] == rev
+        assert sts["metadata"]["annotations"][names.LAYOUT_KEY_ANNOTATION] == names.layout_key(make_cr().spec)
+    def revision(spec):
+        return statefulset(build_children(make_cr(spec)), "decode")["metadata"]["labels"][names.LABEL_REVISION]
+    assert revision({"decode": {"replicas": 5}, "prefill": {"replicas": 3}}) == rev
+    changed = {revision({"decode": {"args": ["--max-num-seqs", "8"]}}), revision({"engine": {"image": "v:2"}}),
+               revision({"prefill": {"env": [{"name": "A", "value": "1"}]}}), revision({"engine": {"blockSize": 64}})}
+    assert rev not in changed and len(changed) == 4
 
 
 CPU_SPEC = {"prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}}
@@ -377,9 +395,9 @@ def test_cpu_engine_requests_cpu_and_memory_and_no_device_efa_or_hugepages():
     assert config["kv_buffer_device"] == "cpu"
     assert config["kv_connector_extra_config"]["backends"] == ["UCX"]
     assert "kv_buffer_device" not in kv_config(make_cr(), "decode"), "accelerators keep vLLM's default"
-    script = child(children, "ConfigMap", "qwen-launch")["data"]["prefill.sh"]
+    script = launch_configmap(children)["data"]["prefill.sh"]
     assert "fi_info" not in script and "HugePages_Total" not in script and "Cpus_allowed_list" in script
-    assert "Cpus_allowed_list" not in child(build_children(make_cr()), "ConfigMap", "qwen-launch")["data"][
+    assert "Cpus_allowed_list" not in launch_configmap(build_children(make_cr()))["data"][
         "prefill.sh"]
 
 

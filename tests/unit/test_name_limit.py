@@ -63,7 +63,8 @@ def problems_of(cr_name: str, namespace: str = LONGEST_NAMESPACE) -> list[str]:
 
 def test_every_child_of_a_cr_at_the_limit_is_valid_and_one_past_is_not():
     limit = api.NAME_LIMIT.length
-    assert limit == 44, "`<name>-prefill-<10-character revision hash>` is the longest; it must fit 63 characters"
+    assert limit == 37, \
+        "`<name>-prefill-<revision>-<10-character hash>` is the longest; it must fit 63 characters"
     assert problems_of("a" * limit) == []
     assert problems_of("x" + "-y" * ((limit - 1) // 2)) == [], "a name of dashes at the limit"
     past = problems_of("a" * (limit + 1))
@@ -74,17 +75,17 @@ def test_every_child_of_a_cr_at_the_limit_is_valid_and_one_past_is_not():
 
 def test_the_limit_names_the_child_that_sets_it():
     assert api.NAME_LIMIT.binding == names.DerivedName(
-        "prefill pod label controller-revision-hash", "a" * 44 + "-prefill-" + "0" * 10, "label-value")
+        "prefill pod label controller-revision-hash", "a" * 37 + "-prefill-000000-" + "0" * 10, "label-value")
     rule = next(r for r in api.NAME_RULES if "size()" in r["rule"])
-    assert rule["rule"] == "self.size() <= 44"
-    assert "at most 44 characters" in rule["messageExpression"] and "<name>-prefill-<10-character hash>" in \
-        rule["messageExpression"]
+    assert rule["rule"] == "self.size() <= 37"
+    assert "at most 37 characters" in rule["messageExpression"] and \
+        "<name>-prefill-<revision>-<10-character hash>" in rule["messageExpression"]
 
 
 def test_more_replicas_would_lower_the_limit_only_once_pod_names_bind():
-    # Pod names (`<name>-prefill-<ordinal>`) bind before the revision label only with 10-digit ordinals.
-    assert names.max_cr_name_length(10 ** 9).length == 44
-    assert names.max_cr_name_length(10 ** 11).length == 63 - len("-prefill-") - 11
+    # Pod names (`<name>-prefill-<revision>-<ordinal>`) bind before the revision label only with 10-digit ordinals.
+    assert names.max_cr_name_length(10 ** 9).length == 37
+    assert names.max_cr_name_length(10 ** 11).length == 63 - len("-prefill-000000-") - 11
 
 
 @pytest.mark.parametrize("name", ["qwen3.5", "3b-llama", "a.b"])

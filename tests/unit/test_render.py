@@ -47,17 +47,18 @@ def test_render_prints_every_child_as_a_yaml_stream(capsys, cr_file):
     code, out, err = render(capsys, ["-f", str(cr_file)])
     assert code == 0, err
     docs = list(yaml.safe_load_all(out))
+    [rev] = {d["metadata"]["labels"]["serving.disagg.io/revision"] for d in docs if d["kind"] == "StatefulSet"}
     assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == sorted([
-        ("ConfigMap", "qwen-launch"), ("Service", "qwen-rendezvous"), ("Deployment", "qwen-rendezvous"),
+        ("ConfigMap", f"qwen-launch-{rev}"), ("Service", "qwen-rendezvous"), ("Deployment", "qwen-rendezvous"),
         ("ServiceAccount", "qwen-rendezvous"), ("ClusterRoleBinding", "disagg-rendezvous:ml:qwen"),
-        ("Service", "qwen-prefill"), ("StatefulSet", "qwen-prefill"), ("PodDisruptionBudget", "qwen-prefill"),
-        ("Service", "qwen-decode"), ("StatefulSet", "qwen-decode"), ("PodDisruptionBudget", "qwen-decode"),
+        ("Service", "qwen-prefill"), ("StatefulSet", f"qwen-prefill-{rev}"), ("PodDisruptionBudget", "qwen-prefill"),
+        ("Service", "qwen-decode"), ("StatefulSet", f"qwen-decode-{rev}"), ("PodDisruptionBudget", "qwen-decode"),
         ("Service", "qwen-router"), ("Deployment", "qwen-router")])
     for doc in docs:
         # The rendezvous' ClusterRoleBinding (spec.rendezvous.auth: kubernetes) has no namespace.
         assert doc["metadata"].get("namespace") == (None if doc["kind"] == "ClusterRoleBinding" else "ml")
         assert "ownerReferences" not in doc["metadata"]  # no uid offline
-    [sts] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "qwen-decode"]
+    [sts] = [d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == f"qwen-decode-{rev}"]
     assert sts["spec"]["replicas"] == 2
     # The launch scripts survive the YAML round trip byte for byte, and print as readable blocks.
     cr = DisaggregatedInference.model_validate(yaml.safe_load(CR))

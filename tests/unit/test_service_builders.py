@@ -6,7 +6,7 @@ import pytest
 from disagg.operator import names
 from disagg.operator.builders import OperatorImages, build_children, endpoint_url
 from disagg.operator.profiles import CPU_ENGINES_LABEL
-from support.crs import UID, child, engine, env_of, make_cr, pod
+from support.crs import UID, child, engine, env_of, make_cr, pod, statefulset
 
 
 def test_router_and_rendezvous():
@@ -87,9 +87,10 @@ def test_the_engines_token_audience_is_the_one_the_rendezvous_checks():
     # The StatefulSets' pods are the names the rendezvous accepts.
     children = build_children(make_cr({"prefill": {"replicas": 2}}))
     for role in ("prefill", "decode"):
-        sts = child(children, "StatefulSet", f"qwen-{role}")["metadata"]["name"]
+        sts = statefulset(children, role)["metadata"]["name"]
         assert pod_name_pattern("qwen").match(f"{sts}-0") and pod_name_pattern("qwen").match(f"{sts}-1")
     assert not pod_name_pattern("qwen").match("qwen-router-0")
+    assert pod_name_pattern("qwen").match("qwen-decode-1"), "pods made before revisions still register"
 
 def test_rendezvous_auth_token_uses_the_shared_secret():
     children = build_children(make_cr({"rendezvous": {"auth": "token"}}))

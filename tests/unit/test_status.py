@@ -67,6 +67,18 @@ def test_unchanged_world_gives_identical_status():
     assert conds(changed)["Progressing"]["lastTransitionTime"] == "t1"
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
+def test_failed_engines_are_named_prefill_first_whatever_order_they_were_observed_in(order):
+    """The watch delivers pods' events in any order; the Degraded message must not change with it."""
+    found = [PodProblem("m-decode-0", "decode", "EngineFailed", "no shm"),
+             PodProblem("m-prefill-1", "prefill", "EngineFailed", "no shm"),
+             PodProblem("m-prefill-0", "prefill", "EngineFailed", "no EFA")]
+    broken = Observed(prefill=SETTLED.prefill, decode=SETTLED.decode, router=SETTLED.router,
+                      problems=tuple(found[i] for i in order))
+    assert conds(compute_status(SPEC, 1, broken, "e", None, "t"))["Degraded"]["message"] == \
+        "prefill pod m-prefill-0: no EFA (+2 more)"
+
+
 def test_termination_message_beats_crashloop_reason():
     pod = {"metadata": {"name": "x-0", "labels": {"serving.disagg.io/role": "decode"}},
            "status": {"containerStatuses": [{
@@ -300,3 +312,42 @@ def test_transport_is_read_again_when_more_engines_are_ready_than_it_listed():
     assert not transport_behind(1, one)
     assert not transport_behind(2, None)  # never asked: the regular request asks
     assert not transport_behind(2, TransportReport("http://r", error="connection failed"))  # the poll retries
+
+
+def _revision(name: str, current: bool, replicas: int = 1):
+    from disagg.operator.api import RevisionRoleStatus, RevisionStatus
+
+    role = RevisionRoleStatus(replicas=replicas, ready=replicas, advertised=replicas)
+    return RevisionStatus(name=name, layout_key="k", current=current, prefill=role, decode=role)
+
+
+def test_the_rollout_sets_progressing_and_an_older_revision_keeps_ready_false():
+    from dataclasses import replace
+
+    from disagg.operator.status import RolloutView
+
+    old, new = _revision("aaaaaa", False), _revision("bbbbbb", True)
+    rolling = replace(SETTLED, rollout=RolloutView("RollingOut", "drain revision aaaaaa to 0P0D: replaced",
+                                                   "bbbbbb", (old, new)))
+    st = compute_status(SPEC, 1, rolling, "e", None, "t1")
+    assert (conds(st)["Progressing"]["status"], conds(st)["Progressing"]["reason"]) == ("True", "RollingOut")
+    assert "revision aaaaaa still runs 1P1D" in conds(st)["Ready"]["message"]
+    assert conds(st)["Ready"]["status"] == "False" and st.rollout == "RollingOut" and st.revision == "bbbbbb"
+    assert [r.name for r in st.revisions] == ["aaaaaa", "bbbbbb"]
+
+    blocked = replace(rolling, rollout=RolloutView("Blocked", "engines of bbbbbb failed", "bbbbbb", (old, new)))
+    st = compute_status(SPEC, 1, blocked, "e", st, "t2")
+    assert (conds(st)["Progressing"]["status"], conds(st)["Progressing"]["reason"]) == ("False", "Blocked")
+    assert conds(st)["Progressing"]["message"] == "engines of bbbbbb failed" and st.rollout == "Blocked"
+
+    # Only the current revision, its engines advertised: the rollout is over and Ready holds.
+    done = replace(SETTLED, rollout=RolloutView("Complete", "every engine runs the current revision", "bbbbbb",
+                                                (new,)))
+    st = compute_status(SPEC, 1, done, "e", st, "t3")
+    assert (conds(st)["Progressing"]["status"], conds(st)["Progressing"]["reason"]) == ("False", "Complete")
+    assert conds(st)["Ready"]["status"] == "True" and st.rollout == "Complete"
+    # Ready engines the rollout still waits to see advertised: Ready (pods), yet still progressing.
+    waiting = replace(done, rollout=RolloutView("RollingOut", "waiting for 1 decode engines of bbbbbb to be "
+                                                "advertised", "bbbbbb", (new,)))
+    st = compute_status(SPEC, 1, waiting, "e", st, "t4")
+    assert conds(st)["Ready"]["status"] == "True" and conds(st)["Progressing"]["status"] == "True"

@@ -156,3 +156,35 @@ async def test_forget_drops_a_deleted_deployment():
             assert poller.report(KEY) is None and KEY not in poller._clients and poller.keys() == set()
         finally:
             await poller.close()
+
+
+@pytest.mark.timeout(30)
+async def test_a_forced_read_during_a_refresh_reads_again_after_it():
+    """An engine registers while a refresh is in flight, after that refresh read the rendezvous: the forced request
+    made then (a pass that saw the pod Ready) runs one more read, so the cache lists the engine without waiting
+    for the next poll. The first read's answer is held back until after the registration."""
+    async with rendezvous() as (url, writer):
+        poller = TransportPoller(url, interval=3600)
+        real_fetch, answered, release = poller.fetch, asyncio.Event(), asyncio.Event()
+
+        async def slow_fetch(key):
+            report = await real_fetch(key)
+            if not release.is_set():
+                answered.set()
+                await release.wait()
+            return report
+
+        poller.fetch = slow_fetch  # type: ignore[method-assign]
+        try:
+            poller.request(KEY)
+            await answered.wait()  # the first read has its (empty) answer, not yet delivered
+            await writer.register(advert("qwen-prefill-0-u1", deployment="qwen", pod_name="qwen-prefill-0",
+                                         pod_uid="u1", transport="UCX"))
+            poller.request(KEY, force=True)
+            release.set()
+            async with asyncio.timeout(5):
+                while KEY in poller._tasks:
+                    await poller._tasks[KEY]
+            assert poller.report(KEY).engines == (EngineTransport("qwen-prefill-0", "prefill", "UCX", "u1"),)
+        finally:
+            await poller.close()

@@ -112,6 +112,14 @@ delete the operator holds is on its rendezvous ClusterRoleBindings, in clusterRu
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["list", "watch", "create", "patch"]
+# A rollout retires an older revision once it has no engines left: its engine StatefulSets and its launch
+# ConfigMap (operator/rollout/actions.py). Nothing else is ever deleted.
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["delete"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["delete"]
 # The rendezvous token Secret (spec.rendezvous.auth: token), created once per DisaggregatedInference
 # (operator/reconciler.py). Create only: the operator never reads, lists or updates Secrets; pods receive the
 # token through secretKeyRef.
