@@ -767,16 +767,23 @@ def headline(arms: dict[str, ArmResult]) -> dict:
     return out
 
 
-def plot(result_file: Path, png: Path) -> str | None:
-    """Draw with matplotlib from a bench-only venv (the project's venv stays free of it)."""
+def bench_python() -> Path:
+    """The bench-only venv's python, with matplotlib (installed on first use; the project's venv stays free of
+    it)."""
     venv = cache_dir() / "bench-venv"
     py = venv / "bin" / "python"
+    if not py.exists() or subprocess.run([str(py), "-c", "import matplotlib"], capture_output=True).returncode:
+        log(f"installing matplotlib into {venv}")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "matplotlib"], check=True)
+    return py
+
+
+def plot(result_file: Path, png: Path) -> str | None:
+    """Draw with matplotlib from the bench-only venv."""
     try:
-        if not py.exists() or subprocess.run([str(py), "-c", "import matplotlib"], capture_output=True).returncode:
-            log(f"installing matplotlib into {venv}")
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "matplotlib"], check=True)
-        subprocess.run([str(py), str(HERE / "plot_pd_serving.py"), str(result_file), str(png)], check=True)
+        subprocess.run([str(bench_python()), str(HERE / "plot_pd_serving.py"), str(result_file), str(png)],
+                       check=True)
         return None
     except (OSError, subprocess.CalledProcessError) as e:
         return f"plot failed: {e}"

@@ -1,0 +1,167 @@
+"""The results table: every headline figure in bench/results/, with its interval and the goal it is judged by.
+
+Pure: result files' JSON in, rows and Markdown out (bench/report.py reads the files and writes the README's
+section and the plot). Only per-request figures are rows; the router-histogram handoff ratios that
+pd_serving.json also holds are interpolated within buckets and are left out on purpose.
+
+A goal is met when the point estimate is on its side of the threshold; the interval says how sure that is.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+Results = dict[str, dict[str, Any]]  # file name -> its JSON
+
+
+@dataclass(frozen=True)
+class Goal:
+    op: str  # "<=", "<", ">=" or "=="
+    threshold: float
+    why: str = ""  # the issue that set it
+
+    def met(self, value: float | None) -> bool | None:
+        ops: dict[str, Callable[[float, float], bool]] = {
+            "<=": operator.le, "<": operator.lt, ">=": operator.ge, "==": operator.eq}
+        return None if value is None else ops[self.op](value, self.threshold)
+
+    def text(self) -> str:
+        return f"{self.op} {self.threshold:g}" + (f" ({self.why})" if self.why else "")
+
+
+@dataclass(frozen=True)
+class Row:
+    benchmark: str
+    measure: str
+    value: float | None
+    unit: str  # "x" for a ratio, else a unit ("s", "MiB", "requests")
+    source: str
+    ci90: tuple[float, float] | None = None
+    goal: Goal | None = None
+    n: str = ""  # what the figure is computed over
+
+    @property
+    def met(self) -> bool | None:
+        return None if self.goal is None else self.goal.met(self.value)
+
+
+def _ci(v: Any) -> tuple[float, float] | None:
+    return (float(v[0]), float(v[1])) if isinstance(v, list | tuple) and len(v) == 2 else None
+
+
+# -- one extractor per benchmark, keyed by the file's "benchmark" --------------------------------------------------
+def _pd_serving(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    h, cfg = d["headline"], d.get("config", {})
+    cells = len(cfg.get("cells", []))
+    n = f"geomean of {cells} cells x {cfg.get('requests_per_cell', '?')} requests"
+    wanted = [
+        ("handoff_direct_push_over_direct_pull", "push / pull handoff (exact, per request; no router)",
+         Goal("<=", 0.5, "issue 15")),
+        ("ttft_direct_push_over_direct_pull", "push / pull TTFT (no router)", None),
+        ("ttft_push_concurrent_over_pull", "push / pull TTFT (through our router)", None),
+        ("ttft_router_pull_over_vllm_router_pull", "our router / vllm-router TTFT (pull pair)",
+         Goal("<=", 1.0, "issue 15")),
+        ("ttft_router_pull_over_direct_pull", "our router / no router TTFT (pull pair)", None),
+        ("ttft_router_pull_over_mono", "P/D through our router / one plain engine TTFT", None),
+    ]
+    for key, measure, goal in wanted:
+        if key not in h:
+            continue
+        yield Row("pd_serving", f"{measure}, p50", h[key].get("geomean_p50"), "x", name,
+                  _ci(h[key].get("geomean_p50_ci90")), goal, n)
+        yield Row("pd_serving", f"{measure}, p99", h[key].get("geomean_p99"), "x", name, None, goal, n)
+    failed = sum(a.get("failed", 0) + a.get("timeouts", 0) for a in h.get("failures", {}).values())
+    sent = sum(a.get("sent", 0) for a in h.get("failures", {}).values())
+    yield Row("pd_serving", "failed requests", failed, "requests", name, None, Goal("==", 0), f"of {sent}")
+
+
+def _cold_pair(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    for arm, a in d["headline"].items():
+        n = f"{a.get('pairs_measured', '?')} pairs"
+        # The goal judges the product's configuration in the main file; the other files are experiments.
+        goal = Goal("<=", 1.2, "issue 5") if arm == "plugin" and name == "cold_pair.json" else None
+        yield Row("cold_pair", f"{arm}: cold / warm TTFT p50", a.get("cold_over_warm_p50"), "x", name,
+                  _ci(a.get("cold_over_warm_p50_ci90")), goal, n)
+        yield Row("cold_pair", f"{arm}: median of per-pair cold / warm", a.get("median_of_pair_ratios"), "x", name,
+                  _ci(a.get("median_of_pair_ratios_ci90")), None, n)
+
+
+def _cluster_path(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    h = d["headline"]["ttft_cluster_over_local"]
+    cells = h.get("per_cell", {})
+    n = f"geomean of {len(cells)} cells x {next(iter(cells.values()), {}).get('planned', '?')} requests"
+    for q in ("p50", "p99"):
+        yield Row("cluster_path", f"cluster / local TTFT {q}", h.get(f"geomean_{q}"), "x", name, None,
+                  Goal("<=", 1.05, "issue 13"), n)
+        for cell, c in cells.items():
+            yield Row("cluster_path", f"cluster / local TTFT {q}, {cell}", c.get(q), "x", name,
+                      _ci(c.get(f"{q}_ci90")), None, f"{c.get('planned', '?')} requests")
+
+
+def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    n = f"{d.get('crs')} CRs on {d.get('nodes')} kwok nodes"
+    yield Row("operator_scale", "create to children exist, p99", d["children_exist_seconds"]["p99"], "s", name,
+              None, None, n)
+    yield Row("operator_scale", "all CRs Ready", d.get("all_ready_seconds"), "s", name, None,
+              Goal("<", 30, "issue 15"), n)
+    yield Row("operator_scale", "operator API requests per CR", d.get("operator_requests_per_cr"), "requests",
+              name, None, None, n)
+    yield Row("operator_scale", "operator peak RSS", d.get("operator_peak_rss_mib"), "MiB", name, None,
+              Goal("<", 300, "issue 15"), n)
+    yield Row("operator_scale", "objects changed by an idle resync", d.get("idle_objects_changed"), "objects",
+              name, None, Goal("==", 0), f"of {d.get('idle_objects_watched')}")
+
+
+def _rollout(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    h = d["headline"]
+    yield Row("rollout", "failed requests through every rollout and scale", h["failed_requests"], "requests",
+              name, None, Goal("==", 0, "issue 14"), f"of {h['requests']}")
+    for change, c in h["changes"].items():
+        yield Row("rollout", f"{change}: TTFT p99 during / steady", c.get("ttft_p99_over_steady"), "x", name,
+                  _ci(c.get("ttft_p99_over_steady_ci90")), None,
+                  f"{c.get('requests')} requests in {c.get('rollout_s')} s, {c.get('steps')} steps")
+
+
+EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
+    "pd_serving": _pd_serving, "cold_pair": _cold_pair, "cluster_path": _cluster_path,
+    "operator_scale": _operator_scale, "rollout": _rollout,
+}
+
+
+def rows(results: Results) -> list[Row]:
+    """Every file's headline rows, files in name order. A file of an unknown benchmark is an error: a result
+    nobody can read is a result nobody sees."""
+    out: list[Row] = []
+    for name in sorted(results):
+        kind = results[name].get("benchmark")
+        if kind not in EXTRACTORS:
+            raise ValueError(f"{name}: no table rows for benchmark {kind!r} (bench/results_table.py EXTRACTORS)")
+        out.extend(EXTRACTORS[kind](name, results[name]))
+    return out
+
+
+# -- Markdown ----------------------------------------------------------------------------------------------------
+def _num(v: float | None, unit: str) -> str:
+    if v is None:
+        return "—"
+    if unit == "x":
+        return f"{v:.2f}x"
+    return f"{v:g} {unit}" if unit != "requests" else f"{v:g}"
+
+
+def markdown(table: list[Row], when: dict[str, str]) -> str:
+    """The table, then one line per file saying when it was measured. `when`: file name -> its timestamp."""
+    lines = ["| result file | measure | result | 90% interval | over | goal | met |",
+             "|---|---|---|---|---|---|---|"]
+    for r in table:
+        ci = "—" if r.ci90 is None else f"{r.ci90[0]:.2f}–{r.ci90[1]:.2f}"
+        met = "" if r.met is None else ("yes" if r.met else "**no**")
+        goal = "" if r.goal is None else r.goal.text()
+        cols = [f"`{r.source.removesuffix('.json')}`", r.measure, _num(r.value, r.unit), ci, r.n, goal, met]
+        lines.append("| " + " | ".join(cols) + " |")
+    lines.append("")
+    lines.append("Measured: " + "; ".join(f"`{name}` {when[name] or '(no timestamp)'}" for name in sorted(when))
+                 + ".")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,59 @@
+"""The README's performance section is what bench/results/ says (bench/report.py), and the table judges goals
+by the figures, not by hand."""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("report"), importlib.import_module("results_table")
+
+
+def test_the_readme_section_is_generated_from_the_committed_results(bench):
+    report, _ = bench
+    assert report.current(report.README.read_text()) == report.section(report.load()), \
+        "README.md's performance section drifted from bench/results/: run .venv/bin/python bench/report.py"
+
+
+def rollout_result(failed: int) -> dict:
+    return {"benchmark": "rollout", "headline": {
+        "failed_requests": failed, "requests": 100,
+        "changes": {"block-size": {"failed": failed, "requests": 30, "rollout_s": 90.0, "steps": 4,
+                                   "ttft_p99_over_steady": 2.5, "ttft_p99_over_steady_ci90": [1.5, 3.1]}}}}
+
+
+def test_a_failed_request_fails_the_rollout_goal(bench):
+    _, table = bench
+    ok, bad = (table.rows({"rollout.json": rollout_result(n)}) for n in (0, 1))
+    assert [r.met for r in ok if r.goal] == [True]
+    assert [r.met for r in bad if r.goal] == [False]
+    assert "**no**" in table.markdown(bad, {"rollout.json": "today"})
+    during = next(r for r in ok if r.measure.startswith("block-size"))
+    assert (during.value, during.ci90, during.goal) == (2.5, (1.5, 3.1), None)
+
+
+def test_histogram_interpolated_ratios_are_never_rows(bench):
+    report, table = bench
+    rows = table.rows({"pd_serving.json": report.load()["pd_serving.json"]})
+    assert rows and not [r for r in rows if "handoff" in r.measure and "exact" not in r.measure]
+
+
+def test_a_result_nobody_can_read_is_an_error(bench):
+    _, table = bench
+    with pytest.raises(ValueError, match="no table rows for benchmark 'mystery'"):
+        table.rows({"mystery.json": {"benchmark": "mystery"}})
+
+
+def test_the_section_is_replaced_between_its_markers_and_nowhere_else(bench):
+    report, _ = bench
+    text = f"intro\n{report.BEGIN}\nold\n{report.END}\noutro\n"
+    assert report.replaced(text, "new\n") == f"intro\n{report.BEGIN}\nnew\n{report.END}\noutro\n"
+    with pytest.raises(ValueError, match="markers"):
+        report.replaced("no markers here", "new\n")
