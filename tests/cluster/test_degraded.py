@@ -64,17 +64,18 @@ def test_engine_pods_the_scheduler_cannot_place_make_the_cr_degraded(cluster, op
         if not degraded("Unschedulable")(d):
             return False
         pods = unschedulable_pods()
-        if not pods:
+        # The StatefulSet controller creates pods in bursts and the scheduler rejects each in turn, so the
+        # condition is consistent with every count on the way; await the count the zone forces.
+        if len(pods) < 9:
             return False
         first = min(pods)
         return cond(d, "Degraded")["message"].startswith(f"{len(pods)} engine pods cannot be scheduled (") and \
             cond(d, "Degraded")["message"].endswith(f"; {first}: {' '.join(pods[first].split())}")
 
     dinf = watch_until(cluster, Dinf, name, reports_every_unschedulable_pod, namespace=namespace, timeout=90,
-                       what="Degraded naming every unschedulable pod and the scheduler's message")
+                       what="Degraded naming the 9+ pods the one trn2 node cannot hold")
     message = cond(dinf, "Degraded")["message"]
     assert "Insufficient aws.amazon.com/neuron" in message, message
-    assert len(unschedulable_pods()) >= 9, "at most two of the eleven pods fit the zone's one trn2 node"
     assert (cond(dinf, "Ready")["status"], cond(dinf, "Ready")["reason"]) == ("False", "ReplicasNotReady")
 
     cluster.client.patch(Dinf, name, {"spec": {"decode": {"replicas": 1}}}, namespace=namespace,
