@@ -8,6 +8,9 @@ RECONCILES = Counter("disagg_operator_reconciles_total", "Reconcile passes by tr
 RECONCILE_SECONDS = Histogram("disagg_operator_reconcile_seconds", "Duration of a reconcile pass",
                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 CHILD_WRITES = Counter("disagg_operator_child_changes_total", "Children created or updated", ["kind", "change"])
+CHILD_APPLIES = Counter("disagg_operator_child_applies_total",
+                        "Server-side applies of children, by kind and why the plan sent them (new, changed, drifted, "
+                        "verify)", ["kind", "why"])
 STATUS_WRITES = Counter("disagg_operator_status_writes_total", "Status subresource patches")
 API_ERRORS = Counter("disagg_operator_api_errors_total", "Failed API calls", ["kind", "verb"])
 API_SECONDS = Histogram("disagg_operator_api_seconds", "Latency of API calls", ["verb"],

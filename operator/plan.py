@@ -1,10 +1,13 @@
 """Which children a full pass applies: a pure decision over what the builders want, what this process last
-applied, and which children its watch saw change under it.
+applied, which children its watch saw change under it, and what the watch last showed of each.
 
 Invariants:
 - a child is applied when this process has not applied it yet (a start, a new child), when its manifest changed
   since (a spec change), when the watch saw it change in a way that is not the echo of our apply or saw it
-  deleted (a hand edit), and on every thorough pass (the resync, which repairs what a missed watch event hid);
+  deleted (a hand edit);
+- on a thorough pass (the resync) a child is also applied unless the watch's latest event for it shows exactly
+  what our last apply produced: then the watched index, not a request, confirms the cluster holds our write. A
+  child the watch has not shown since our apply, or has shown otherwise, is verified by applying it;
 - otherwise it is skipped: applying it would be a server-side apply no-op, which costs a request and writes nothing;
 - steps keep the builders' order (ServiceAccount before the Deployment that runs as it, and so on).
 """
@@ -67,7 +70,10 @@ class ApplyPlan:
 
 
 def plan_children(desired: list[dict[str, Any]], applied: Mapping[ChildKey, Applied],
-                  drifted: frozenset[ChildKey] | set[ChildKey], thorough: bool) -> ApplyPlan:
+                  drifted: frozenset[ChildKey] | set[ChildKey], thorough: bool,
+                  watched: Mapping[ChildKey, str] | None = None) -> ApplyPlan:
+    """`watched` maps a child to the marker (`child_marker`) of the latest watch event seen for it."""
+    watched = watched or {}
     steps = []
     for obj in desired:
         key = child_key(obj)
@@ -78,7 +84,7 @@ def plan_children(desired: list[dict[str, Any]], applied: Mapping[ChildKey, Appl
             why = "changed"
         elif key in drifted:
             why = "drifted"
-        elif thorough:
+        elif thorough and watched.get(key) != last.marker:
             why = "verify"
         else:
             why = "unchanged"

@@ -13,6 +13,7 @@ from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.types import PatchType
 
 from disagg.devcluster import fleet
+from disagg.operator.handlers import CHILD_KINDS as WATCHED_KINDS
 from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
 from support.dinf import Dinf, cond, create, engine_pod_name, engine_sts, is_ready, revision, small
 from support.kube import watch_list_until, watch_until
@@ -184,9 +185,16 @@ def test_noop_resync_writes_nothing(cluster, operator, namespace):
     before = children(cluster, namespace, name)
     cr_rv = cluster.client.get(Dinf, name, namespace=namespace).metadata.resourceVersion
     resyncs = operator.metric("disagg_operator_reconciles_total", trigger="resync", result="ok")
+    def applies(kind: str) -> float:
+        return operator.metric("disagg_operator_child_applies_total", kind=kind)
+    before_applies = {kind: applies(kind) for kind in (*WATCHED_KINDS, "ServiceAccount")}
     operator.await_quiet(rounds=2)
     assert operator.metric("disagg_operator_reconciles_total", trigger="resync", result="ok") >= resyncs + 2
     assert children(cluster, namespace, name) == before
+    # The watch already shows every watched child as our last apply left it: the resyncs send no request for
+    # them. The ServiceAccount is not watched, so each resync still verifies it by applying it.
+    assert {kind: applies(kind) for kind in WATCHED_KINDS} == {kind: before_applies[kind] for kind in WATCHED_KINDS}
+    assert applies("ServiceAccount") >= before_applies["ServiceAccount"] + 2
     assert cluster.client.get(Dinf, name, namespace=namespace).metadata.resourceVersion == cr_rv
 
 

@@ -36,6 +36,13 @@ def test_plan_applies_what_is_new_changed_or_drifted_and_everything_when_thoroug
     quiet = plan_children(DESIRED, known, set(), thorough=False)
     assert quiet.to_apply == () and quiet.skipped == len(DESIRED)
     assert {s.why for s in plan_children(DESIRED, known, set(), thorough=True).steps} == {"verify"}
+    # A resync verifies only what the watch has not shown as our last apply left it.
+    watched = {k: a.marker for k, a in known.items()}
+    first, second = (child_key(o) for o in DESIRED[:2])
+    watched[first] = "g2"  # the watch saw a later generation than the one we applied
+    del watched[second]  # the watch has shown nothing since our apply
+    resync = plan_children(DESIRED, known, set(), thorough=True, watched=watched)
+    assert [s.key for s in resync.to_apply] == [first, second] and resync.skipped == len(DESIRED) - 2
 
     sts = child_key(statefulset(DESIRED, "decode", cr="m"))
     assert sts[2].startswith("m-decode-")
@@ -105,6 +112,7 @@ def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserve
     r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
     calls: list[str] = []
     stored: dict[tuple, tuple[dict, int]] = {}  # what the fake apiserver holds: manifest and generation
+    echoes: list[dict] = []  # what its watch would deliver
 
     async def apply(obj):
         key = child_key(obj)
@@ -113,7 +121,9 @@ def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserve
         before, generation = stored.get(key, (None, 0))
         generation += obj != before
         stored[key] = (obj, generation)
-        return {**obj, "metadata": {**obj["metadata"], "generation": generation, "resourceVersion": "1"}}, created
+        answer = {**obj, "metadata": {**obj["metadata"], "generation": generation, "resourceVersion": "1"}}
+        echoes.append(answer)
+        return answer, created
 
     r._apply = apply  # type: ignore[method-assign]
     support = build_children(cr(), statefulsets=False)  # the engine StatefulSets are the rollout's to write
@@ -126,6 +136,10 @@ def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserve
     resync = asyncio.run(r.apply_children(cr(), thorough=True))
     assert len(calls) == len(support) and resync.created == resync.updated == []
     calls.clear()
+    for echo in echoes:
+        assert not r.child_changed(echo["kind"], echo)
+    assert asyncio.run(r.apply_children(cr(), thorough=True)).unchanged == len(support) and calls == [], \
+        "once the watch has shown every child as applied, a resync sends nothing"
     asyncio.run(r.apply_children(cr(decode={"replicas": 3})))
     assert calls == [], "replicas are the rollout's"
     changed = asyncio.run(r.apply_children(cr(decode={"args": ["--max-num-seqs", "8"]})))
