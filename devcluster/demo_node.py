@@ -22,7 +22,7 @@ from lightkube.resources.core_v1 import Namespace, PersistentVolume, Pod, Servic
 
 from disagg.operator import api, names
 
-from . import tinymodel
+from . import tinymodel, vllm_env
 from .cluster import LocalCluster
 from .demo_engines import (
     MAX_TOKENS,
@@ -158,10 +158,12 @@ def _await_gone(client: Client, labels: dict[str, str], what: str, timeout: floa
 
 
 def prepare(c: LocalCluster, node: str) -> None:
-    """The namespace and the tiny model as a local PersistentVolume on the node, with its claim."""
+    """The namespace and the tiny model (generated unless it exists) as a local PersistentVolume on the node,
+    with its claim."""
     client = c.client()
     client.apply(Namespace(metadata=ObjectMeta(name=NAMESPACE)), field_manager="disagg-demo")
-    model = tinymodel.model_dir()
+    # A local volume's path must exist before the kubelet mounts it; it retries only every two minutes.
+    model = tinymodel.ensure_model(vllm_env.python())
     for doc in models.model_volume(NAMESPACE, model.parent, node):
         client.apply(codecs.from_dict(doc), field_manager="disagg-demo")
     _note(f"model volume: PersistentVolume {models.CLAIM}-{NAMESPACE} (local, {model.parent} on {node}) "
