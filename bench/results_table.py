@@ -121,7 +121,8 @@ def _rollout(name: str, d: dict[str, Any]) -> Iterator[Row]:
     for change, c in h["changes"].items():
         yield Row("rollout", f"{change}: TTFT p99 during / steady", c.get("ttft_p99_over_steady"), "x", name,
                   _ci(c.get("ttft_p99_over_steady_ci90")), None,
-                  f"{c.get('requests')} requests in {c.get('rollout_s')} s, {c.get('steps')} steps")
+                  f"{c.get('requests')} requests in {c.get('rollout_s')} s, {c.get('steps')} step"
+                  f"{'' if c.get('steps') == 1 else 's'}")
 
 
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
