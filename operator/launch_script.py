@@ -4,6 +4,7 @@ Takes plain values only; the operator computes them from the spec.
 """
 from __future__ import annotations
 
+import functools
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,7 +41,9 @@ def _lines(args: Sequence[str]) -> list[str]:
     return lines
 
 
+@functools.cache
 def _template() -> jinja2.Template:
+    """Compiled once per process: compiling costs milliseconds, and every reconcile pass renders the script."""
     text = _TEMPLATE.read_text(encoding="utf-8")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False, trim_blocks=True,
                              lstrip_blocks=True, keep_trailing_newline=True)
