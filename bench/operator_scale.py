@@ -1,19 +1,26 @@
-"""Operator scale benchmark: 100 DisaggregatedInference objects on a 200-node kwok cluster.
+"""Operator scale benchmark: DisaggregatedInference objects on a kwok cluster (default 100 CRs, 200 nodes).
 
-Reports, as JSON (stdout and bench/results/operator_scale.json):
-- create → all 11 children exist, per CR (p50/p99);
+Two phases, with the operator running as its own user:
+- solo: `--solo` CRs applied one by one on the idle cluster, each after the previous is Ready. Create → all 11
+  watched children exist, per CR (p50/p99/max; issue 15's goal: p99 under 1 s).
+- burst: `--crs` CRs created back to back.
+
+Reports, as JSON (stdout and `--out`, default bench/results/operator_scale.json):
+- burst: create → all 11 children exist, per CR (p50/p99);
 - create → Ready=True, per CR (p50/p99), and the time until every CR is Ready;
 - API requests the operator made per CR, counted from the apiserver's audit log (the operator runs as its
   own user, so no client-side counting is trusted);
 - operator CPU seconds and peak RSS;
-- requests and writes during an idle resync pass (should be no writes).
+- requests and writes during an idle resync pass, by verb and resource (should be no writes; a no-op
+  server-side apply is a PATCH that writes nothing, so PATCHes per CR measure what the resync still verifies).
 
-Run: `python bench/operator_scale.py [--crs 100] [--fleet p5en=120,trn2=60,trn1=10,m7i=10]`.
+Run: `python bench/operator_scale.py [--crs 100] [--solo 20] [--fleet p5en=120,trn2=60,trn1=10,m7i=10]`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime as dt
 import json
 import os
 import signal
@@ -22,6 +29,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from lightkube import AsyncClient, Client, KubeConfig, codecs
@@ -41,9 +49,12 @@ Dinf = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
 CHILD_KINDS = (StatefulSet, Deployment, Service, ConfigMap, PodDisruptionBudget)
 CHILDREN_PER_CR = 11
 NAMESPACES = 10
+SOLO_NAMESPACE = "bench-solo"
+USER = "disagg-operator"
+MANAGED = {"app.kubernetes.io/managed-by": "disagg-operator"}
 
 
-def cr_manifest(i: int) -> dict:
+def cr_manifest(i: int, namespace: str | None = None, prefix: str = "m") -> dict:
     trn = i % 5 == 4  # one in five on Trainium2
     spec = {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct" if trn else "Qwen/Qwen3-32B"},
             "accelerator": {"profile": "trainium2" if trn else "nvidia-h200"},
@@ -51,7 +62,7 @@ def cr_manifest(i: int) -> dict:
     if trn:
         spec["kvTransfer"] = {"mode": "pull"}
     return {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
-            "metadata": {"name": f"m{i:03d}", "namespace": f"bench-{i % NAMESPACES}"}, "spec": spec}
+            "metadata": {"name": f"{prefix}{i:03d}", "namespace": namespace or f"bench-{i % NAMESPACES}"}, "spec": spec}
 
 
 def pct(values: list[float], p: float) -> float:
@@ -59,46 +70,72 @@ def pct(values: list[float], p: float) -> float:
     return round(ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))], 3)
 
 
-async def observe(kubeconfig: Path, created: dict[tuple[str, str], float], n: int, timeout: float):
-    """Watch children and CRs; record when each CR has all children and when it turns Ready."""
-    client = AsyncClient(KubeConfig.from_file(kubeconfig))
-    children: dict[tuple[str, str], set] = {}
-    complete: dict[tuple[str, str], float] = {}
-    ready: dict[tuple[str, str], float] = {}
-    done = asyncio.Event()
+class Observer:
+    """Watches every operator-managed child and every CR from `__aenter__` on. Records the monotonic time at which
+    each CR (keyed (namespace, name)) was first seen with all CHILDREN_PER_CR children, and first seen Ready=True.
+    `until` wakes on every watch event, so a wait ends on the event that satisfies it, not on a poll."""
 
-    async def watch_children(kind):
-        managed = {"app.kubernetes.io/managed-by": "disagg-operator"}
-        async for op, obj in client.watch(kind, namespace="*", labels=managed):
+    def __init__(self, kubeconfig: Path) -> None:
+        self.client = AsyncClient(KubeConfig.from_file(kubeconfig))
+        self.children: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        self.complete: dict[tuple[str, str], float] = {}
+        self.ready: dict[tuple[str, str], float] = {}
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> Observer:
+        self._tasks = [asyncio.create_task(self._watch_children(k)) for k in CHILD_KINDS]
+        self._tasks.append(asyncio.create_task(self._watch_crs()))
+        await asyncio.sleep(0.5)  # let the watches open before the first create
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.client.close()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _watch_children(self, kind) -> None:
+        async for op, obj in self.client.watch(kind, namespace="*", labels=MANAGED):
             key = (obj.metadata.namespace, obj.metadata.labels.get("app.kubernetes.io/instance"))
             if op == "ADDED":
-                children.setdefault(key, set()).add((kind.__name__, obj.metadata.name))
-                if len(children[key]) == CHILDREN_PER_CR and key not in complete:
-                    complete[key] = time.monotonic()
+                self.children.setdefault(key, set()).add((kind.__name__, obj.metadata.name))
+                if len(self.children[key]) == CHILDREN_PER_CR and key not in self.complete:
+                    self.complete[key] = time.monotonic()
+                    self._notify()
 
-    async def watch_crs():
-        async for _op, obj in client.watch(Dinf, namespace="*"):
+    async def _watch_crs(self) -> None:
+        async for _op, obj in self.client.watch(Dinf, namespace="*"):
             key = (obj.metadata.namespace, obj.metadata.name)
             conds = (obj.status or {}).get("conditions", [])
-            if key not in ready and any(c["type"] == "Ready" and c["status"] == "True" for c in conds):
-                ready[key] = time.monotonic()
-                if len(ready) == n:
-                    done.set()
+            if key not in self.ready and any(c["type"] == "Ready" and c["status"] == "True" for c in conds):
+                self.ready[key] = time.monotonic()
+                self._notify()
 
-    tasks = [asyncio.create_task(watch_children(k)) for k in CHILD_KINDS] + [asyncio.create_task(watch_crs())]
-    waiter = asyncio.create_task(done.wait())
-    try:
-        finished, _ = await asyncio.wait([waiter, *tasks], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if waiter not in finished:
-            failed = [t for t in finished if t.exception()]
-            raise RuntimeError(f"observation ended early: {failed[0].exception()!r}" if failed else
-                               f"not all {n} CRs Ready within {timeout}s ({len(ready)} were)")
-    finally:
-        waiter.cancel()
-        for t in tasks:
-            t.cancel()
-        await client.close()
-    return complete, ready
+    async def until(self, done: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
+        """Return once `done()` holds; raise if a watch ends or `timeout` passes. Prints `what()` every 15 s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        next_report = loop.time() + 15
+        while not done():
+            ended = [t for t in self._tasks if t.done()]
+            if ended:
+                raise RuntimeError(f"a watch ended: {ended[0].exception()!r}")
+            now = loop.time()
+            if now > deadline:
+                raise TimeoutError(f"not within {timeout}s: {what()}")
+            if now > next_report:
+                print(f"  waiting: {what()}", file=sys.stderr, flush=True)
+                next_report = now + 15
+            changed = self._changed.wait()
+            try:
+                await asyncio.wait_for(changed, min(deadline, next_report) - now)
+            except TimeoutError:
+                pass
 
 
 def snapshot(client: Client) -> dict[tuple[str, str, str], str]:
@@ -119,31 +156,52 @@ def proc_usage(pid: int) -> tuple[float, int]:
     return round(cpu, 2), hwm // 1024
 
 
-def audit_counts(log: Path, user: str, since: float = 0.0) -> Counter:
+def audit_counts(log: Path, user: str, since: float = 0.0, until: float = float("inf")) -> Counter:
+    """`user`'s requests by (verb, resource), from the audit log, received in [since, until) (epoch seconds)."""
     counts: Counter = Counter()
     with log.open() as f:
         for line in f:
             ev = json.loads(line)
-            if ev.get("user", {}).get("username") != user:
+            # A watch is logged when it starts and again when it ends; every other request once, complete.
+            counted = "ResponseStarted" if ev["verb"] == "watch" else "ResponseComplete"
+            if ev.get("user", {}).get("username") != user or ev.get("stage") != counted:
                 continue
-            ts = ev.get("stageTimestamp") or ev.get("requestReceivedTimestamp")
-            if since and _epoch(ts) < since:
+            if not since <= _epoch(ev["requestReceivedTimestamp"]) < until:
                 continue
-            counts[ev["verb"]] += 1
+            counts[(ev["verb"], ev.get("objectRef", {}).get("resource", ""))] += 1
     return counts
 
 
+def by_verb(counts: Counter) -> dict[str, int]:
+    out: Counter = Counter()
+    for (verb, _resource), n in counts.items():
+        out[verb] += n
+    return dict(out)
+
+
+def by_verb_and_resource(counts: Counter) -> dict[str, int]:
+    return {f"{verb} {resource}": n for (verb, resource), n in sorted(counts.items())}
+
+
+def idle_child_patches_per_cr(idle: Counter, crs: int) -> float:
+    """The resync's server-side applies of children, per CR: PATCHes of anything but the CRs (their status)."""
+    return round(sum(n for (verb, resource), n in idle.items() if verb == "patch" and resource != api.PLURAL)
+                 / crs, 2)
+
+
 def _epoch(ts: str) -> float:
-    import datetime as dt
     return dt.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--crs", type=int, default=100)
+    p.add_argument("--crs", type=int, default=100, help="CRs created in the burst")
+    p.add_argument("--solo", type=int, default=20,
+                   help="CRs applied one by one on the idle cluster before the burst, each after the last is Ready")
     p.add_argument("--fleet", default="p5en=120,trn2=60,trn1=10,m7i=10")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--resync-seconds", type=float, default=60)
+    p.add_argument("--out", type=Path, default=RESULTS / "operator_scale.json")
     args = p.parse_args()
 
     build.ensure_built(quiet=True)
@@ -154,8 +212,8 @@ def main() -> None:
     try:
         client = Client(KubeConfig.from_file(cluster.kubeconfig))
         client.create(codecs.from_dict(crdgen.crd()))
-        for i in range(NAMESPACES):
-            client.create(Namespace(metadata=ObjectMeta(name=f"bench-{i}")))
+        for ns in [SOLO_NAMESPACE, *(f"bench-{i}" for i in range(NAMESPACES))]:
+            client.create(Namespace(metadata=ObjectMeta(name=ns)))
         subprocess.run([str(cluster.bin / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "wait",
                         "--for=condition=Established", f"crd/{api.PLURAL}.{api.GROUP}"], check=True,
                        stdout=subprocess.DEVNULL)
@@ -176,59 +234,100 @@ def main() -> None:
                 if time.monotonic() > deadline or operator.poll() is not None:
                     raise SystemExit(f"operator did not start; see {op_log}") from e
                 time.sleep(0.2)
-        startup_requests = sum(audit_counts(cluster.audit_log, "disagg-operator").values())
 
+        # "Idle" starts once the operator watches the CRs: before that, a create waits on its startup (the first
+        # list of a just-established CRD can be refused with 429 while its storage initializes).
+        deadline = time.monotonic() + 60
+        while not audit_counts(cluster.audit_log, USER)[("watch", api.PLURAL)]:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the operator did not watch {api.PLURAL} within 60s; see {op_log}")
+            time.sleep(0.2)
+
+        solo_created: dict[tuple[str, str], float] = {}
         created: dict[tuple[str, str], float] = {}
+        marks: dict[str, float] = {"solo_from": time.time()}
 
-        async def run() -> tuple[dict, dict]:
-            obs = asyncio.create_task(observe(cluster.kubeconfig, created, args.crs, args.timeout))
-            await asyncio.sleep(0.5)  # let the watches open before the first create
-            t0 = time.monotonic()
-            for i in range(args.crs):
-                m = cr_manifest(i)
-                created[(m["metadata"]["namespace"], m["metadata"]["name"])] = time.monotonic()
-                client.create(codecs.from_dict(m))
-            print(f"created {args.crs} CRs in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
-            return await obs
+        async def create(aclient: AsyncClient, manifest: dict, into: dict[tuple[str, str], float]) -> None:
+            into[(manifest["metadata"]["namespace"], manifest["metadata"]["name"])] = time.monotonic()
+            await aclient.create(codecs.from_dict(manifest))
 
-        t_start = time.monotonic()
-        complete, ready = asyncio.run(run())
-        all_ready = max(ready.values()) - t_start
+        async def run(obs: Observer) -> None:
+            aclient = AsyncClient(KubeConfig.from_file(cluster.kubeconfig))
+            try:
+                for i in range(args.solo):
+                    m = cr_manifest(i, namespace=SOLO_NAMESPACE, prefix="s")
+                    key = (SOLO_NAMESPACE, m["metadata"]["name"])
+                    await create(aclient, m, solo_created)
+                    await obs.until(lambda k=key: k in obs.complete and k in obs.ready, 120,
+                                    lambda k=key: f"solo {k[1]}: {len(obs.children.get(k, ()))}/"
+                                                  f"{CHILDREN_PER_CR} children, Ready={k in obs.ready}")
+                print(f"solo: {args.solo} CRs applied one by one", file=sys.stderr, flush=True)
+                marks["burst_from"], t0 = time.time(), time.monotonic()
+                for i in range(args.crs):
+                    await create(aclient, cr_manifest(i), created)
+                print(f"created {args.crs} CRs in {time.monotonic() - t0:.1f}s", file=sys.stderr, flush=True)
+                await obs.until(lambda: all(k in obs.ready for k in created), args.timeout,
+                                lambda: f"{sum(k in obs.complete for k in created)} complete, "
+                                        f"{sum(k in obs.ready for k in created)}/{args.crs} Ready")
+                marks["burst_to"] = time.time()
+            finally:
+                await aclient.close()
+
+        async def observed() -> Observer:
+            async with Observer(cluster.kubeconfig) as obs:
+                await run(obs)
+            return obs
+
+        obs = asyncio.run(observed())
         cpu, rss = proc_usage(operator.pid)
-        burst = audit_counts(cluster.audit_log, "disagg-operator")
-        burst_total = sum(burst.values()) - startup_requests
+        audit = cluster.audit_log
+        startup = audit_counts(audit, USER, until=marks["solo_from"])
+        solo = audit_counts(audit, USER, since=marks["solo_from"], until=marks["burst_from"])
+        burst = audit_counts(audit, USER, since=marks["burst_from"], until=marks["burst_to"])
 
         # One idle resync window: the requests it makes, and the objects it changes (expected: none). A no-op
         # server-side apply is a PATCH request but not a write, so changes are counted by resourceVersion.
         before = snapshot(client)
         idle_from = time.time()
         time.sleep(args.resync_seconds + 5)
-        idle = audit_counts(cluster.audit_log, "disagg-operator", since=idle_from)
+        idle = audit_counts(audit, USER, since=idle_from, until=time.time())
         after = snapshot(client)
         changed = sorted(k for k in before if after.get(k) != before[k])
-        to_children = [complete[k] - created[k] for k in created if k in complete]
-        to_ready = [ready[k] - created[k] for k in created if k in ready]
+        all_crs = args.crs + args.solo
+
+        def spread(values: list[float]) -> dict[str, float]:
+            return {"p50": pct(values, 50), "p99": pct(values, 99), "max": round(max(values), 3)} if values else {}
+
+        solo_children = [obs.complete[k] - t for k, t in solo_created.items()]
         result = {
             "benchmark": "operator_scale",
+            "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "command": " ".join(["python", "bench/operator_scale.py", *sys.argv[1:]]),
             "nodes": cluster.config.fleet.total,
             "crs": args.crs,
-            "children_exist_seconds": {"p50": pct(to_children, 50), "p99": pct(to_children, 99),
-                                       "max": round(max(to_children), 3)},
-            "ready_seconds": {"p50": pct(to_ready, 50), "p99": pct(to_ready, 99)},
-            "all_ready_seconds": round(all_ready, 2),
-            "operator_requests_per_cr": round(burst_total / args.crs, 1),
-            "operator_requests_by_verb": dict(burst),
-            "operator_startup_requests": startup_requests,
+            "solo_crs": args.solo,
+            "solo_children_exist_seconds": spread(solo_children),
+            "solo_ready_seconds": spread([obs.ready[k] - t for k, t in solo_created.items()]),
+            "solo_operator_requests_per_cr": round(sum(solo.values()) / args.solo, 1) if args.solo else None,
+            "children_exist_seconds": spread([obs.complete[k] - t for k, t in created.items()]),
+            "ready_seconds": spread([obs.ready[k] - t for k, t in created.items()]),
+            "all_ready_seconds": round(max(obs.ready[k] for k in created) - min(created.values()), 2),
+            "operator_requests_per_cr": round(sum(burst.values()) / args.crs, 1),
+            "operator_requests_by_verb": by_verb(burst),
+            "operator_startup_requests": sum(startup.values()),
             "operator_cpu_seconds": cpu,
             "operator_peak_rss_mib": rss,
             "idle_resync_window_seconds": args.resync_seconds + 5,
             "idle_requests": sum(idle.values()),
+            "idle_patches_per_cr": round(by_verb(idle).get("patch", 0) / all_crs, 2),
+            "idle_child_patches_per_cr": idle_child_patches_per_cr(idle, all_crs),
             "idle_objects_changed": len(changed),
             "idle_objects_watched": len(before),
-            "idle_requests_by_verb": dict(idle),
+            "idle_requests_by_verb": by_verb(idle),
+            "idle_requests_by_verb_and_resource": by_verb_and_resource(idle),
         }
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "operator_scale.json").write_text(json.dumps(result, indent=2) + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
     finally:
         if operator is not None and operator.poll() is None:
