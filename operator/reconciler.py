@@ -9,6 +9,7 @@ Hard bounds it enforces:
 """
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import secrets
@@ -59,11 +60,19 @@ def _now() -> str:
 
 class Coalescer:
     """At most one pass per key at a time. Triggers that arrive during a pass collapse into one more pass, at
-    the strongest level asked for: a full pass if any trigger wanted one, else a status pass."""
+    the strongest level asked for: a full pass if any trigger wanted one, else a status pass. At most `limit`
+    passes run at once over all keys (None: unbounded); the rest wait their turn.
 
-    def __init__(self) -> None:
+    The bound is what keeps a burst of CRs converging: unbounded, a thousand concurrent passes flood the
+    apiserver, their requests time out and kopf retries each handler a minute later."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
         self._running: set[Key] = set()
         self._again: dict[Key, bool] = {}
+        self._slots = asyncio.Semaphore(limit) if limit else None
+        self.limit = limit
 
     async def run(self, key: Key, full: bool, fn: Callable[[bool], Awaitable[None]]) -> None:
         if key in self._running:
@@ -72,7 +81,11 @@ class Coalescer:
         self._running.add(key)
         try:
             while True:
-                await fn(full)
+                if self._slots is None:
+                    await fn(full)
+                else:
+                    async with self._slots:
+                        await fn(full)
                 if key not in self._again:
                     return
                 full = self._again.pop(key)
@@ -83,13 +96,13 @@ class Coalescer:
 
 class Reconciler:
     def __init__(self, client: AsyncClient, images: OperatorImages, logger: logging.Logger | None = None,
-                 namespaces: list[str] | None = None):
+                 namespaces: list[str] | None = None, max_concurrent_passes: int | None = None):
         self.client = client
         self.images = images
         # The namespaces this operator serves (None: all). It removes only rendezvous bindings of CRs in them.
         self.namespaces = set(namespaces) if namespaces else None
         self.log = logger or logging.getLogger("disagg.operator")
-        self.coalescer = Coalescer()
+        self.coalescer = Coalescer(max_concurrent_passes)
         # What our last apply of each child sent and produced: a later event with the same marker is our own echo.
         self.applied: dict[ChildKey, Applied] = {}
         self._drifted: set[ChildKey] = set()  # children the watch saw change under us since we applied them

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rendezvous-timeout", type=float, default=2.0,
                    help="bound of one rendezvous read (default 2 s); an unreachable rendezvous makes "
                         "TransportVerified Unknown, never a failed or slow reconcile")
+    p.add_argument("--max-concurrent-passes", type=int, default=16,
+                   help="reconcile passes run at once over all CRs (default 16); the others queue, so a burst of "
+                        "CRs converges without flooding the apiserver")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -62,6 +65,8 @@ def main(args: argparse.Namespace) -> None:
         check_template(args.rendezvous_url_template)
     except ValueError as e:
         raise SystemExit(f"disagg operator: {e}") from None
+    if args.max_concurrent_passes < 1:
+        raise SystemExit("disagg operator: --max-concurrent-passes must be at least 1")
     if args.transport_poll_seconds <= 0 or args.rendezvous_timeout <= 0:
         raise SystemExit("disagg operator: --transport-poll-seconds and --rendezvous-timeout must be positive")
 
@@ -86,7 +91,8 @@ def main(args: argparse.Namespace) -> None:
         # server, so the operator never receives the cluster's other Events.
         settings.watching.field_selectors[("", "v1", "events")] = handlers.STATEFULSET_EVENTS
         memo.shared = {}
-        memo.reconciler = Reconciler(AsyncClient(KubeConfig.from_env()), images, namespaces=args.namespace)
+        memo.reconciler = Reconciler(AsyncClient(KubeConfig.from_env()), images, namespaces=args.namespace,
+                                     max_concurrent_passes=args.max_concurrent_passes)
         transport_log = logging.getLogger("disagg.transport")
         memo.transports = TransportPoller(
             args.rendezvous_url_template, timeout=args.rendezvous_timeout, interval=args.transport_poll_seconds,

@@ -117,6 +117,34 @@ def test_coalescer_runs_one_pass_at_a_time_at_the_strongest_level():
     assert asyncio.run(scenario()) == [False, True]
 
 
+def test_coalescer_bounds_the_passes_running_at_once():
+    async def scenario():
+        c, gate, running, peak = Coalescer(limit=2), asyncio.Event(), [0], [0]
+
+        async def fn(_full):
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+            await gate.wait()
+            running[0] -= 1
+
+        tasks = [asyncio.create_task(c.run(("ns", f"cr{i}"), True, fn)) for i in range(5)]
+        while running[0] < 2:  # the first two passes start; the other three wait for a slot
+            await asyncio.sleep(0)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        waiting = sum(not t.done() for t in tasks)
+        gate.set()
+        await asyncio.gather(*tasks)
+        return peak[0], waiting, running[0]
+
+    assert asyncio.run(scenario()) == (2, 5, 0)
+
+
+def test_coalescer_refuses_a_bound_below_one():
+    with pytest.raises(ValueError, match="at least 1"):
+        Coalescer(limit=0)
+
+
 # ---- TransportVerified -------------------------------------------------------------------------------------
 EFA_SPEC = SPEC  # nvidia-h200 with efa auto: LIBFABRIC requested
 TCP_SPEC = DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {
