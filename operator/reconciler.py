@@ -10,6 +10,7 @@ Hard bounds it enforces:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import secrets
@@ -71,8 +72,8 @@ class Coalescer:
             raise ValueError(f"limit must be at least 1, got {limit}")
         self._running: set[Key] = set()
         self._again: dict[Key, bool] = {}
-        self._slots = asyncio.Semaphore(limit) if limit else None
-        self.limit = limit
+        self._slots: contextlib.AbstractAsyncContextManager[Any] = (
+            asyncio.Semaphore(limit) if limit else contextlib.nullcontext())
 
     async def run(self, key: Key, full: bool, fn: Callable[[bool], Awaitable[None]]) -> None:
         if key in self._running:
@@ -81,11 +82,8 @@ class Coalescer:
         self._running.add(key)
         try:
             while True:
-                if self._slots is None:
+                async with self._slots:
                     await fn(full)
-                else:
-                    async with self._slots:
-                        await fn(full)
                 if key not in self._again:
                     return
                 full = self._again.pop(key)

@@ -119,19 +119,20 @@ def test_coalescer_runs_one_pass_at_a_time_at_the_strongest_level():
 
 def test_coalescer_bounds_the_passes_running_at_once():
     async def scenario():
-        c, gate, running, peak = Coalescer(limit=2), asyncio.Event(), [0], [0]
+        c, gate, two_running, running, peak = Coalescer(limit=2), asyncio.Event(), asyncio.Event(), [0], [0]
 
         async def fn(_full):
             running[0] += 1
             peak[0] = max(peak[0], running[0])
+            if running[0] == 2:
+                two_running.set()
             await gate.wait()
             running[0] -= 1
 
+        # All five tasks take their first step before the event's waiter resumes: unbounded, all five would be
+        # running by then; bounded, three are queued for a slot.
         tasks = [asyncio.create_task(c.run(("ns", f"cr{i}"), True, fn)) for i in range(5)]
-        while running[0] < 2:  # the first two passes start; the other three wait for a slot
-            await asyncio.sleep(0)
-        for _ in range(10):
-            await asyncio.sleep(0)
+        await two_running.wait()
         waiting = sum(not t.done() for t in tasks)
         gate.set()
         await asyncio.gather(*tasks)
