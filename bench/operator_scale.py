@@ -42,7 +42,7 @@ from lightkube.resources.policy_v1 import PodDisruptionBudget
 from disagg.devcluster import build
 from disagg.devcluster.cluster import ClusterConfig, LocalCluster, die_with_parent, free_port
 from disagg.devcluster.fleet import FleetSpec
-from disagg.operator import api, crdgen
+from disagg.operator import api, crdgen, names
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Dinf = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
@@ -51,7 +51,7 @@ CHILDREN_PER_CR = 11
 NAMESPACES = 10
 SOLO_NAMESPACE = "bench-solo"
 USER = "disagg-operator"
-MANAGED = {"app.kubernetes.io/managed-by": "disagg-operator"}
+MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 
 
 def cr_manifest(i: int, namespace: str | None = None, prefix: str = "m") -> dict:
@@ -143,7 +143,7 @@ def snapshot(client: Client) -> dict[tuple[str, str, str], str]:
     out = {}
     for kind in (Dinf, *CHILD_KINDS):
         for obj in client.list(kind, namespace="*"):
-            if kind is Dinf or (obj.metadata.labels or {}).get("app.kubernetes.io/managed-by") == "disagg-operator":
+            if kind is Dinf or (obj.metadata.labels or {}).get(names.LABEL_MANAGED_BY) == names.MANAGED_BY:
                 out[(kind.__name__, obj.metadata.namespace, obj.metadata.name)] = obj.metadata.resourceVersion
     return out
 
@@ -222,7 +222,7 @@ def main() -> None:
         operator = subprocess.Popen(
             [str(Path(sys.executable).parent / "disagg"), "operator", "--metrics-port", str(metrics_port),
              "--liveness", f"http://127.0.0.1:{health}/healthz", "--resync-seconds", str(args.resync_seconds)],
-            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig_for("disagg-operator"))},
+            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig_for(USER))},
             stdout=op_log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=die_with_parent)
         deadline = time.monotonic() + 60
@@ -298,7 +298,6 @@ def main() -> None:
         def spread(values: list[float]) -> dict[str, float]:
             return {"p50": pct(values, 50), "p99": pct(values, 99), "max": round(max(values), 3)} if values else {}
 
-        solo_children = [obs.complete[k] - t for k, t in solo_created.items()]
         result = {
             "benchmark": "operator_scale",
             "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -306,7 +305,7 @@ def main() -> None:
             "nodes": cluster.config.fleet.total,
             "crs": args.crs,
             "solo_crs": args.solo,
-            "solo_children_exist_seconds": spread(solo_children),
+            "solo_children_exist_seconds": spread([obs.complete[k] - t for k, t in solo_created.items()]),
             "solo_ready_seconds": spread([obs.ready[k] - t for k, t in solo_created.items()]),
             "solo_operator_requests_per_cr": round(sum(solo.values()) / args.solo, 1) if args.solo else None,
             "children_exist_seconds": spread([obs.complete[k] - t for k, t in created.items()]),
