@@ -94,8 +94,20 @@ def watch_list_until(cluster, res: type[T], predicate: Callable[[T], bool], *, n
     return asyncio.run(_watch_list_until(cluster.kubeconfig, res, predicate, namespace, fields, timeout, what))
 
 
+def _await_service_account(cluster, namespace: str, sa: str, timeout: int = 60) -> None:
+    """Synchronous (callers may run inside an event loop, where watch_until's asyncio.run cannot). A watch from
+    no resourceVersion starts with an ADDED event for an object that already exists."""
+    for op, _obj in cluster.client.watch(ServiceAccount, namespace=namespace, fields={"metadata.name": sa},
+                                         server_timeout=timeout):
+        if op == "ADDED":
+            return
+    raise TimeoutError(f"ServiceAccount {namespace}/{sa} not created within {timeout}s")
+
+
 def service_account_token(cluster, namespace: str, sa: str) -> str:
-    """A bound token for the ServiceAccount, for the apiserver's audience, from the TokenRequest API."""
+    """A bound token for the ServiceAccount, for the apiserver's audience, from the TokenRequest API. Waits for
+    the ServiceAccount first: a new namespace's `default` one is created by the controller manager, later."""
+    _await_service_account(cluster, namespace, sa)
     request = ServiceAccount.Token(metadata=ObjectMeta(), spec=TokenRequestSpec(audiences=[], expirationSeconds=3600))
     token: str = cluster.client.create(request, name=sa, namespace=namespace).status.token
     return token
