@@ -43,7 +43,7 @@ import yaml
 from cpu_timeline import CpuTimeline, tail_attribution
 from lightkube import codecs
 from lightkube.types import PatchType
-from pd_client import quantile, via
+from pd_client import percentile_ratio_ci, quantile, via
 from pd_serving import RESULTS, Arm, ArmResult, Config, Phase, log, parse_cells, per_request, run_arms
 
 from disagg.devcluster import demo, demo_node, tinymodel, vllm_env
@@ -193,21 +193,6 @@ async def run_segments(cfg: Config, logs: Path, rounds: int,
         return {arm: merge(rs) for arm, rs in results.items()}, segments, info
     finally:
         c.stop()
-
-
-def percentile_ratio_ci(num: list[float], den: list[float], q: float, rng: random.Random,
-                        n: int = 2000) -> list[float] | None:
-    """90% bootstrap interval of quantile_q(num) / quantile_q(den), resampling requests with replacement."""
-    if not num or not den:
-        return None
-    stats = []
-    for _ in range(n):
-        a = quantile([rng.choice(num) for _ in num], q)
-        b = quantile([rng.choice(den) for _ in den], q)
-        if a and b:
-            stats.append(a / b)
-    lo, hi = quantile(stats, 0.05), quantile(stats, 0.95)
-    return None if lo is None or hi is None else [round(lo, 3), round(hi, 3)]
 
 
 def ratios(local: ArmResult, cluster: ArmResult) -> dict:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import os
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -173,6 +174,21 @@ def ms(x: float | None) -> float | None:
 def dist(values: list[float]) -> dict:
     return {"p50_ms": ms(quantile(values, 0.5)), "p99_ms": ms(quantile(values, 0.99)),
             "mean_ms": ms(sum(values) / len(values)) if values else None, "n": len(values)}
+
+
+def percentile_ratio_ci(num: list[float], den: list[float], q: float, rng: random.Random,
+                        n: int = 2000) -> list[float] | None:
+    """90% bootstrap interval of quantile_q(num) / quantile_q(den), resampling requests with replacement."""
+    if not num or not den:
+        return None
+    stats = []
+    for _ in range(n):
+        a = quantile([rng.choice(num) for _ in num], q)
+        b = quantile([rng.choice(den) for _ in den], q)
+        if a and b:
+            stats.append(a / b)
+    lo, hi = quantile(stats, 0.05), quantile(stats, 0.95)
+    return None if lo is None or hi is None else [round(lo, 3), round(hi, 3)]
 
 
 def cpu_sample() -> tuple[float, float]:

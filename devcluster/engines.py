@@ -144,7 +144,7 @@ class LocalEngine:
             "VLLM_CPU_OMP_THREADS_BIND": str(s.core),
             wire_env.SIDE_CHANNEL_HOST: "127.0.0.1",
             wire_env.SIDE_CHANNEL_PORT: str(s.side_channel_port),
-            "UCX_TLS": "tcp,self,sm",
+            **wire_env.CPU_ENGINE_ENV,
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),

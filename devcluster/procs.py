@@ -53,6 +53,32 @@ def children(pid: int) -> list[int]:
     return sorted(set(out))
 
 
+def thread_cpu_seconds(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    """CPU-seconds (user + system) so far of every thread of `pids`, by (pid, tid), with the thread's name. A
+    thread or process that exits while this reads is left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    for pid in pids:
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()  # state ppid ... utime(11) stime(12), as in process_group
+            out[(pid, int(task.name))] = (stat[stat.index("(") + 1:stat.rindex(")")],
+                                          (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU-seconds so far of all threads of `pids`."""
+    return sum(seconds for _, seconds in thread_cpu_seconds(pids).values())
+
+
 def py_spy() -> str | None:
     """The py-spy command of this environment (the test extra installs it), or one on PATH."""
     here = Path(sys.executable).parent / "py-spy"

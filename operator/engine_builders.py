@@ -201,9 +201,9 @@ def engine_resources(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[s
     memory_gi = profile.memory_gi_per_device * devices + (spec.cpu_kv_cache_gib if profile.cpu_only else 0)
     memory, cpu = f"{memory_gi}Gi", str(profile.cpu_per_device * devices)
     # No cpu limit: CFS throttling. On CPU engines worse still: vLLM runs one OMP thread per core it binds (all
-    # of the shared pool without the static CPU manager) and NIXL's progress thread spins, so a quota would
-    # throttle the model's own threads. A role that sets limits.cpu equal to an integer requests.cpu gets a
-    # Guaranteed pod and, under the static CPU manager, exclusive cores (see plugin_install_resources).
+    # of the shared pool without the static CPU manager), so a quota would throttle the model's own threads. A
+    # role that sets limits.cpu equal to an integer requests.cpu gets a Guaranteed pod and, under the static CPU
+    # manager, exclusive cores (see plugin_install_resources).
     requests = {"cpu": cpu, "memory": memory}
     limits = {"memory": memory}
     if profile.accelerator_resource is not None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disagg.connector.wire import env as wire_env
+
 GPU = "nvidia.com/gpu"
 NEURON = "aws.amazon.com/neuron"
 EFA = "vpc.amazonaws.com/efa"
@@ -110,10 +112,11 @@ PROFILES: dict[str, Profile] = {
                 cpu_per_device=6, memory_gi_per_device=24, startup_seconds=7200),
         # Any node labelled for CPU engines (kind, minikube, a CI cluster). One rank per pod; "device" is the
         # pod's share: 4 cores and 4 GiB for vLLM itself, plus the KV cache (engine_builders adds it). UCX over
-        # TCP (and shared memory on one node): UCX_TLS from what works for NIXL on CPU engines.
+        # TCP (and shared memory on one node), and NIXL's progress thread sleeping in poll() instead of spinning
+        # the core the model needs (wire_env.CPU_ENGINE_ENV).
         Profile(CPU_PROFILE, None, None, 1, 1, 0, False, shm_size="1Gi",
                 tolerations=((CPU_ENGINES_LABEL, CPU_ENGINES_TAINT["effect"]),),
-                node_labels=((CPU_ENGINES_LABEL, CPU_ENGINES_VALUE),), engine_env={"UCX_TLS": "tcp,self,sm"},
+                node_labels=((CPU_ENGINES_LABEL, CPU_ENGINES_VALUE),), engine_env=dict(wire_env.CPU_ENGINE_ENV),
                 cpu_per_device=4, memory_gi_per_device=4, capabilities=(), kv_buffer_device="cpu",
                 same_zone=False),
     )

@@ -11,7 +11,9 @@ like one without it. Everything the plugin adds is beside the transfer path, nev
 - worker side (each worker process): watch the rendezvous and load compatible peers' NIXL agents before any
   request needs them (`prewarm`), and drop them when the peer's entry goes away;
 - push decode: a request whose prefill's KV does not come within `push_registration_timeout` is failed (vLLM's
-  watchdog only drops its registration), so the client gets an error instead of waiting indefinitely.
+  watchdog only drops its registration), so the client gets an error instead of waiting indefinitely;
+- worker side, where `$DISAGG_NIXL_PROGRESS_DELAY_US` is set: NIXL's progress thread sleeps in poll() instead of
+  spinning a core (`nixl_progress`). It concerns NIXL, not vLLM, so it holds even where the plugin steps aside.
 
 A rendezvous that is missing, slow or down never blocks or fails the engine: both sides run in their own
 threads, and vLLM's lazy side-channel handshake stays the fallback. Every access to vLLM's internals goes
@@ -31,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHands
 
 from . import vllm_shim
 from .advertiser import EngineAdvertiser
+from .nixl_progress import delay_from_env, progress_delay
 from .prewarm import PeerPrewarmer
 from .settings import PluginSettings
 from .vllm_shim import SchedulerShim, WorkerShim
@@ -193,7 +196,7 @@ class NixlPushConnector(_DisaggMixin, nixl.NixlPushConnector):
     """vLLM's push (WRITE) NIXL connector with the disagg plugin."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
-        with _KeepCpuAffinity():
+        with _KeepCpuAffinity(), progress_delay(delay_from_env(os.environ)):
             super().__init__(vllm_config, role, kv_cache_config)
         self._disagg_init(vllm_config, role)
 
@@ -202,7 +205,7 @@ class NixlPullConnector(_DisaggMixin, nixl.NixlPullConnector):
     """vLLM's pull (READ) NIXL connector with the disagg plugin."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
-        with _KeepCpuAffinity():
+        with _KeepCpuAffinity(), progress_delay(delay_from_env(os.environ)):
             super().__init__(vllm_config, role, kv_cache_config)
         self._disagg_init(vllm_config, role)
 

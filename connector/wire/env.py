@@ -6,6 +6,7 @@ The operator renders them (operator/engine_builders.py); the plugin, the rendezv
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final
 
 ROLES: Final = ("prefill", "decode")
@@ -36,12 +37,21 @@ RENDEZVOUS_TOKEN_FILE: Final = "DISAGG_RENDEZVOUS_TOKEN_FILE"
 """`spec.rendezvous.auth: kubernetes`: the projected pod-bound token's path, re-read on every request."""
 HEARTBEAT_SECONDS: Final = "DISAGG_HEARTBEAT_SECONDS"
 
-# Plugin tuning (users set these through spec.engine.env; the operator does not).
+# Plugin tuning (users set these through spec.engine.env; the operator does not, except where a profile says).
 WARMUP: Final = "DISAGG_WARMUP"
 """`0` skips the engine's two requests of its own before it advertises."""
 WARMUP_TOKENS: Final = "DISAGG_WARMUP_TOKENS"
 WRITE_WARMUP: Final = "DISAGG_WRITE_WARMUP"
 """`0` turns off push prefill's null-block WRITE to each newly loaded decode."""
+NIXL_PROGRESS_DELAY_US: Final = "DISAGG_NIXL_PROGRESS_DELAY_US"
+"""Microseconds NIXL's progress thread may sleep in poll() between events (rounded up to whole milliseconds);
+unset, NIXL's default 0 spins a core. CPU engines get it (CPU_ENGINE_ENV)."""
+
+CPU_ENGINE_ENV: Final[Mapping[str, str]] = MappingProxyType({
+    "UCX_TLS": "tcp,self,sm",  # shared memory alone fails with NIXL_ERR_BACKEND
+    NIXL_PROGRESS_DELAY_US: "1000",  # NIXL's poll() rounds it up to 1 ms, the least wait that is not a spin
+})
+"""What every vLLM CPU engine gets: the `cpu` profile's pods (operator/profiles.py) and local runs alike."""
 
 DEFAULT_HTTP_PORT: Final = 8000
 DEFAULT_HEARTBEAT_SECONDS: Final = 5.0

@@ -8,8 +8,10 @@ import time
 import msgspec
 import pytest
 
+from disagg.connector.wire import env as wire_env
 from disagg.connector.wire import kv_metadata
 from disagg.connector.wire.advertisement import EngineAdvertisement
+from disagg.devcluster.procs import cpu_seconds
 from support.engines import (
     LAZY_HANDSHAKE,
     PROMPTS,
@@ -87,6 +89,20 @@ class TestPush:
             assert (adv.role, adv.kv_mode, adv.transport, adv.http_url) == (engine.spec.role, "push", "UCX", engine.url)
             assert adv.side_channel_ports == [engine.spec.side_channel_port] and adv.tp_size == 1
             assert adv.kv_metadata["format"] == "vllm-nixl-handshake-v1" and list(adv.kv_metadata["ranks"]) == ["0,0"]
+
+    def test_idle_engines_leave_their_cores_to_the_model(self, push_pair):
+        """Every CPU engine gets $DISAGG_NIXL_PROGRESS_DELAY_US, so NIXL's progress thread sleeps in poll() between
+        events: an idle engine uses a few percent of a core, where NIXL's default (delay 0) spins a whole one."""
+        engines = (push_pair.prefill, push_pair.decode)
+        for engine in engines:
+            delay = wire_env.CPU_ENGINE_ENV[wire_env.NIXL_PROGRESS_DELAY_US]
+            assert log_lines(engine, f"NIXL progress thread waits up to {delay} us in poll()")
+        before = [cpu_seconds(e.processes()) for e in engines]
+        t0 = time.monotonic()
+        time.sleep(3)  # the measurement window itself, not a wait for a condition
+        elapsed = time.monotonic() - t0
+        used = [(cpu_seconds(e.processes()) - b) / elapsed for e, b in zip(engines, before, strict=True)]
+        assert all(u < 0.3 for u in used), f"idle engines used {used} cores"
 
     def test_outputs_equal_a_single_engine_streaming_and_not(self, push_pair, reference):
         check_outputs(push_pair.router.url, reference)

@@ -386,6 +386,7 @@ def test_cpu_engine_requests_cpu_and_memory_and_no_device_efa_or_hugepages():
         assert c["securityContext"] == {"allowPrivilegeEscalation": False}, "not privileged, no capability"
         env = env_of(c)
         assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["UCX_TLS"] == "tcp,self,sm"
+        assert env["DISAGG_NIXL_PROGRESS_DELAY_US"] == "1000"  # the progress thread must not spin the model's core
         assert not [n for n in env if n.startswith(("FI_", "NEURON_"))] and "LD_LIBRARY_PATH" not in env
         assert "VLLM_CPU_OMP_THREADS_BIND" not in env, "the launch script binds the container's own cores"
         dshm = next(v for v in pod(children, role)["spec"]["volumes"] if v["name"] == "dshm")

@@ -54,6 +54,7 @@ def test_tiny_cpu_example_fits_a_two_cpu_node_with_one_engine_per_core():
         env = env_of(c)
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == core
         assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["UCX_TLS"] == "tcp,self,sm"
+        assert env["DISAGG_NIXL_PROGRESS_DELAY_US"] == "1000"
         assert pod(children, role, name)["spec"]["nodeSelector"] == {CPU_ENGINES_LABEL: CPU_ENGINES_VALUE}
         assert kv_config(cr, role)["kv_buffer_device"] == "cpu"
     for component in ("router", "rendezvous"):
