@@ -59,7 +59,7 @@ class ArmSpec:
     def describe(self, delay_us: int) -> str:
         if self.mode is None:
             return "one plain engine on core 0 (no disaggregation, no NIXL, no router)"
-        thread = f"polls with a {delay_us} us delay" if self.poll else "spins (NIXL's default delay 0)"
+        thread = f"polls with a {delay_us} us delay" if self.poll else "spins (delay 0, NIXL's default)"
         return f"{self.mode} pair behind disagg router --mode {self.mode}; NIXL's progress thread {thread}"
 
 
@@ -93,7 +93,8 @@ async def idle_cpu(engines: list[LocalEngine], seconds: float) -> dict:
 # -- one arm ---------------------------------------------------------------------------------------------------
 def start_arm(spec: ArmSpec, args: argparse.Namespace, logs: Path) -> tuple[Phase, str, list[LocalEngine]]:
     python = vllm_env.ensure(quiet=True)
-    env = {wire_env.NIXL_PROGRESS_DELAY_US: str(args.delay_us)} if spec.poll else {}
+    # "0" is NIXL's own default: local engines get CPU_ENGINE_ENV's delay unless told otherwise.
+    env = {wire_env.NIXL_PROGRESS_DELAY_US: str(args.delay_us if spec.poll else 0)}
     plugin = install_plugin(logs / "plugin") if spec.mode else None
     ph = Phase(python, tinymodel.ensure_model(python), logs, {"extra_env": env}, plugin)
     if spec.mode is None:
@@ -211,7 +212,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default=",".join(a.name for a in ARMS))
-    p.add_argument("--rates", type=parse_rates, default=parse_rates("1,2,3,4,6,8,12"),
+    p.add_argument("--rates", type=parse_rates, default=parse_rates("1,2,4,8,12,16,24,32"),
                    help="offered requests/s per ramp step, increasing")
     p.add_argument("--requests", type=int, default=40, help="requests per ramp step")
     p.add_argument("--tokens", type=int, default=256, help="prompt tokens")
@@ -225,7 +226,6 @@ def main() -> None:
     p.add_argument("--logs")
     p.add_argument("--out", type=Path, default=RESULTS / "capacity.json")
     args = p.parse_args()
-    os.environ.pop(wire_env.NIXL_PROGRESS_DELAY_US, None)  # unset is NIXL's default: spin arms must not inherit it
     if args.quick:
         args.rates, args.requests, args.idle_s = [1.0, 4.0], 8, 2.0
     result = asyncio.run(main_async(args))

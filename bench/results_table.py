@@ -124,6 +124,25 @@ def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
               name, None, Goal("==", 0), f"of {d.get('idle_objects_watched')}")
 
 
+def _capacity(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    h, cfg = d["headline"], d.get("config", {})
+    n = f"ramp {cfg.get('rates')} req/s x {cfg.get('requests_per_step')} requests"
+    for arm, rps in h["saturation_rps"].items():
+        yield Row("capacity", f"{arm}: saturation throughput", rps, "req/s", name, None, None, n)
+        yield Row("capacity", f"{arm}: idle engines' CPU", h["idle_engine_cores"].get(arm), "cores", name, None,
+                  None, f"over {cfg.get('idle_s')} s without requests")
+    for mode in ("push", "pull"):
+        c = h.get(f"{mode}_poll_over_spin")
+        if c is None:
+            continue
+        yield Row("capacity", f"{mode}: saturation, progress thread polling / spinning", c["saturation"], "x", name,
+                  None, Goal(">=", 1.0, "issue 15"), n)
+        for step, t in c["ttft"].items():
+            if "p50" in t:
+                yield Row("capacity", f"{mode}: TTFT p50 polling / spinning, {step}", t["p50"], "x", name,
+                          _ci(t.get("p50_ci90")), None, f"{cfg.get('requests_per_step')} requests")
+
+
 def _rollout(name: str, d: dict[str, Any]) -> Iterator[Row]:
     h = d["headline"]
     yield Row("rollout", "failed requests through every rollout and scale", h["failed_requests"], "requests",
@@ -137,7 +156,7 @@ def _rollout(name: str, d: dict[str, Any]) -> Iterator[Row]:
 
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
     "pd_serving": _pd_serving, "cold_pair": _cold_pair, "cluster_path": _cluster_path,
-    "operator_scale": _operator_scale, "rollout": _rollout,
+    "operator_scale": _operator_scale, "rollout": _rollout, "capacity": _capacity,
 }
 
 

@@ -57,3 +57,20 @@ def test_the_section_is_replaced_between_its_markers_and_nowhere_else(bench):
     assert report.replaced(text, "new\n") == f"intro\n{report.BEGIN}\nnew\n{report.END}\noutro\n"
     with pytest.raises(ValueError, match="markers"):
         report.replaced("no markers here", "new\n")
+
+
+def capacity_result(poll_rps: float, spin_rps: float) -> dict:
+    steps = {"256tok@1/s": {"p50": 0.8, "p50_ci90": [0.6, 0.9], "p99": 0.7, "p99_ci90": [0.5, 1.1]}}
+    return {"benchmark": "capacity", "config": {"rates": [1.0, 2.0], "requests_per_step": 40, "idle_s": 5.0},
+            "headline": {"saturation_rps": {"push-poll": poll_rps, "push-spin": spin_rps},
+                         "idle_engine_cores": {"push-poll": 0.05, "push-spin": 1.6},
+                         "push_poll_over_spin": {"saturation": round(poll_rps / spin_rps, 3), "ttft": steps}}}
+
+
+def test_polling_must_not_lose_capacity_against_spinning(bench):
+    _, table = bench
+    better, worse = (table.rows({"capacity.json": capacity_result(p, 2.0)}) for p in (3.0, 1.5))
+    assert [r.met for r in better if r.goal] == [True]
+    assert [r.met for r in worse if r.goal] == [False]
+    ttft = next(r for r in better if r.measure.startswith("push: TTFT p50"))
+    assert (ttft.value, ttft.ci90) == (0.8, (0.6, 0.9))
