@@ -78,9 +78,9 @@ async def idle_cpu(engines: list[LocalEngine], seconds: float) -> dict:
     elapsed = time.monotonic() - t0
     out = {}
     for name, p in pids.items():
-        after = thread_cpu_seconds(p)
-        used = {key: (after[key][0], after[key][1] - before[name].get(key, (None, after[key][1]))[1])
-                for key in after}
+        # A thread started within the window counts all of its CPU; one that ended within it is left out.
+        used = {key: (thread, seconds - before[name].get(key, (thread, 0.0))[1])
+                for key, (thread, seconds) in thread_cpu_seconds(p).items()}
         top = sorted(used.items(), key=lambda kv: -kv[1][1])[:3]
         out[name] = {"cores": round(sum(c for _, c in used.values()) / elapsed, 2),
                      "busiest_threads": [{"pid": pid, "tid": tid, "name": n, "cores": round(c / elapsed, 2)}
