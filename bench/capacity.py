@@ -47,7 +47,7 @@ from pd_serving import RESULTS, Cell, Config, Phase, log, per_request, run_cell,
 from disagg.connector.wire import env as wire_env
 from disagg.devcluster import tinymodel, vllm_env
 from disagg.devcluster.engines import LocalEngine, install_plugin
-from disagg.devcluster.procs import thread_cpu_seconds
+from disagg.devcluster.procs import thread_cores, thread_cpu_seconds
 
 
 @dataclass(frozen=True)
@@ -78,12 +78,10 @@ async def idle_cpu(engines: list[LocalEngine], seconds: float) -> dict:
     elapsed = time.monotonic() - t0
     out = {}
     for name, p in pids.items():
-        # A thread started within the window counts all of its CPU; one that ended within it is left out.
-        used = {key: (thread, seconds - before[name].get(key, (thread, 0.0))[1])
-                for key, (thread, seconds) in thread_cpu_seconds(p).items()}
+        used = thread_cores(before[name], thread_cpu_seconds(p), elapsed)
         top = sorted(used.items(), key=lambda kv: -kv[1][1])[:3]
-        out[name] = {"cores": round(sum(c for _, c in used.values()) / elapsed, 2),
-                     "busiest_threads": [{"pid": pid, "tid": tid, "name": n, "cores": round(c / elapsed, 2)}
+        out[name] = {"cores": round(sum(c for _, c in used.values()), 2),
+                     "busiest_threads": [{"pid": pid, "tid": tid, "name": n, "cores": round(c, 2)}
                                          for (pid, tid), (n, c) in top]}
     log("  idle: " + ", ".join(f"{n} {v['cores']} cores (busiest: {v['busiest_threads'][0]['name']} "
                                f"{v['busiest_threads'][0]['cores']})" for n, v in out.items()))

@@ -74,9 +74,12 @@ def thread_cpu_seconds(pids: list[int]) -> dict[tuple[int, int], tuple[str, floa
     return out
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU-seconds so far of all threads of `pids`."""
-    return sum(seconds for _, seconds in thread_cpu_seconds(pids).values())
+def thread_cores(before: dict[tuple[int, int], tuple[str, float]], after: dict[tuple[int, int], tuple[str, float]],
+                 elapsed: float) -> dict[tuple[int, int], tuple[str, float]]:
+    """Cores each thread used between two `thread_cpu_seconds` readings `elapsed` seconds apart, by (pid, tid).
+    A thread started in between counts all of its CPU; one that ended in between is left out."""
+    return {key: (name, (seconds - before.get(key, (name, 0.0))[1]) / elapsed)
+            for key, (name, seconds) in after.items()}
 
 
 def py_spy() -> str | None:

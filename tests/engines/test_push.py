@@ -11,7 +11,7 @@ import pytest
 from disagg.connector.wire import env as wire_env
 from disagg.connector.wire import kv_metadata
 from disagg.connector.wire.advertisement import EngineAdvertisement
-from disagg.devcluster.procs import thread_cpu_seconds
+from disagg.devcluster.procs import thread_cores, thread_cpu_seconds
 from support.engines import (
     LAZY_HANDSHAKE,
     PROMPTS,
@@ -43,16 +43,14 @@ def null_block_descriptors(adv: EngineAdvertisement) -> list[int]:
 
 
 def cores_by_thread(pids_per_engine: list[list[int]], window: float) -> list[dict[str, float]]:
-    """Cores each thread of each engine used over the next `window` seconds (from /proc), by "name/tid", busy
-    threads only."""
+    """Cores each busy thread of each engine used over the next `window` seconds (from /proc), by "name/tid"."""
     before = [thread_cpu_seconds(pids) for pids in pids_per_engine]
     t0 = time.monotonic()
     time.sleep(window)  # the measurement window itself, not a wait for a condition
     elapsed = time.monotonic() - t0
-    after = [thread_cpu_seconds(pids) for pids in pids_per_engine]
-    return [{f"{name}/{tid}": round((seconds - b.get((pid, tid), ("", 0.0))[1]) / elapsed, 3)
-             for (pid, tid), (name, seconds) in a.items() if seconds > b.get((pid, tid), ("", 0.0))[1]}
-            for b, a in zip(before, after, strict=True)]
+    return [{f"{name}/{tid}": round(cores, 3)
+             for (_, tid), (name, cores) in thread_cores(b, thread_cpu_seconds(pids), elapsed).items() if cores > 0}
+            for pids, b in zip(pids_per_engine, before, strict=True)]
 
 
 class TestPush:
