@@ -334,6 +334,11 @@ class RouterSpec(Model):
     """How long a request waits for a healthy prefill/decode pair when none is available (an engine restarting,
     a rollout step) before the router answers 503. A request retried after its engine failed before answering
     waits for its second pair the same way. 0 answers at once."""
+    access_log: bool = True
+    """One JSON line per request on the router's standard output (`kubectl logs`): the request id both legs
+    carried (also the X-Request-Id response header), the engines that served it, the status, and the exact
+    per-request timings in milliseconds from receipt (prefill answered, decode leg sent, first token, done) with
+    the KV handoff. The fields are documented in connector/router/access_log.py."""
 
 
 class RendezvousSpec(Model):

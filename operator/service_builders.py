@@ -123,6 +123,8 @@ def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dic
     command = ["disagg", "router", "--mode", spec.kv_transfer.mode,
                "--rendezvous", names.rendezvous_url(name, namespace_of(cr)),
                "--port", str(names.ROUTER_CONTAINER_PORT), "--pair-wait-seconds", str(spec.router.pair_wait_seconds)]
+    if spec.router.access_log:
+        command += ["--access-log", "-"]
     # Ready once it has read the rendezvous, whether or not a pair is up: a router that is not Ready takes the
     # Service's only endpoint away, and clients get refused connections instead of waiting for the pair.
     return _deployment(cr, names.ROUTER, names.router_name(name), spec.router.replicas, command,

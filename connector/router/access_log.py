@@ -40,8 +40,11 @@ class AccessLog:
 
     @classmethod
     def open(cls, path: str) -> AccessLog:
-        """Appends to `path` line-buffered, so each record is written whole as the request ends."""
-        return cls(sys.stdout if path == "-" else open(path, "a", buffering=1, encoding="utf-8"))  # noqa: SIM115
+        """Appends to `path` (`-`: standard output) line-buffered, so each record is written whole as the request
+        ends, even when standard output is a pipe (a container's log)."""
+        if path == "-":
+            return cls(open(sys.stdout.fileno(), "w", buffering=1, encoding="utf-8", closefd=False))  # noqa: SIM115
+        return cls(open(path, "a", buffering=1, encoding="utf-8"))  # noqa: SIM115
 
     def record(self, *, time: float, received: float, done: float, endpoint: str, mode: str, status: int,
                attempts: int, last: Attempt | None, error: str | None) -> None:
@@ -63,5 +66,4 @@ class AccessLog:
         self.stream.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
-        if self.stream is not sys.stdout:
-            self.stream.close()
+        self.stream.close()

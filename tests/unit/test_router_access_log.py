@@ -76,3 +76,27 @@ async def test_a_refused_request_has_its_status_and_message_and_no_attempt(tmp_p
     assert (refused["status"], refused["attempts"], refused["request_id"]) == (400, 0, None)
     assert refused["error"] == "'n' must be 1" and refused["ms"]["first_token"] is None
     assert refused["handoff_ms"] is None and served["status"] == 200
+
+
+@pytest.mark.timeout(30)
+def test_standard_output_gets_each_line_as_the_request_ends():
+    """`--access-log -` in a pod: stdout is a pipe (the container's log), which Python would block-buffer. A line
+    must reach the pipe while the router runs, not when it exits."""
+    import os
+    import subprocess
+    import sys
+
+    child = ("import sys\n"
+             "from disagg.connector.router.access_log import AccessLog\n"
+             "AccessLog.open('-').record(time=0.0, received=1.0, done=1.5, endpoint='completions', mode='push', "
+             "status=200, attempts=0, last=None, error=None)\n"
+             "sys.stdin.read()\n")  # stays alive until the test closes its stdin
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # an image need not set it
+    p = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout is not None
+        line = json.loads(p.stdout.readline())  # blocks (until the timeout) if the line sits in a buffer
+        assert (line["status"], line["ms"]["done"]) == (200, 500.0)
+        assert p.poll() is None, "the line came before the process ended"
+    finally:
+        p.communicate(timeout=10)

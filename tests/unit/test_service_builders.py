@@ -18,7 +18,8 @@ def test_router_and_rendezvous():
     [c] = router["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "img:1"
     assert c["command"] == ["disagg", "router", "--mode", "push", "--rendezvous",
-                            "http://qwen-rendezvous.ml.svc:8080", "--port", "8000", "--pair-wait-seconds", "30"]
+                            "http://qwen-rendezvous.ml.svc:8080", "--port", "8000", "--pair-wait-seconds", "30",
+                            "--access-log", "-"]
     # Ready once it knows the engines, pair or not: an unready router would take the Service's endpoint away.
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     # Liveness never depends on the engines: a router restarted while they start would not help them.
@@ -28,6 +29,10 @@ def test_router_and_rendezvous():
     assert svc["type"] == "LoadBalancer"
     assert svc["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
     assert endpoint_url(cr) == "http://qwen-router.ml.svc:80"
+
+    quiet = build_children(make_cr({"router": {"accessLog": False}}), images=OperatorImages("img:1"))
+    [c] = child(quiet, "Deployment", "qwen-router")["spec"]["template"]["spec"]["containers"]
+    assert "--access-log" not in c["command"]
 
     rdv = child(children, "Deployment", "qwen-rendezvous")
     assert rdv["spec"]["replicas"] == 1 and rdv["spec"]["strategy"] == {"type": "Recreate"}
