@@ -155,10 +155,15 @@ class LocalEngine:
         with self.log.open("ab") as out:
             out.write(f"\n=== start {s.engine_id} {' '.join(argv)}\n".encode())
             # cwd=/ keeps a checkout off sys.path (its operator/ folder must never meet the stdlib's). The
-            # supervisor takes vLLM's engine-core and worker processes down with us, however we end.
+            # supervisor takes vLLM's engine-core and worker processes down with us, however we end. The whole
+            # engine runs on its core, as the launch script confines an engine pod (operator/launch.sh.j2).
+            def start_child(core: int = s.core) -> None:
+                die_with_parent()
+                os.sched_setaffinity(0, {core})
+
             self.proc = subprocess.Popen([sys.executable, SUPERVISOR, "--", *argv], env=env, stdout=out,
                                          stderr=subprocess.STDOUT, cwd="/", start_new_session=True,
-                                         preexec_fn=die_with_parent)
+                                         preexec_fn=start_child)
         return self
 
     def wait_ready(self, timeout: float = 240) -> LocalEngine:

@@ -66,6 +66,10 @@ class Pod:
         """VLLM_CPU_OMP_THREADS_BIND as vLLM saw it ("<unset>" when unset)."""
         return (self.root / "cpu-bind").read_text()
 
+    def cpus_allowed(self) -> str:
+        """The cores the engine process itself may run on (what it inherited from the script's exec)."""
+        return (self.root / "cpus-allowed").read_text().strip()
+
     def proc_status(self, text: str) -> None:
         """A fake /proc/self/status for the CPU binding."""
         (self.root / "status").write_text(text)
@@ -86,7 +90,8 @@ def fake_pod(tmp_path: Path) -> Pod:
         os.symlink(shutil.which(tool), bin_dir / tool)
     # Records its argv, and the CPU binding it was started with.
     python = _exe(bin_dir / "python-stub", f"printf '%s\\0' \"$@\" > '{tmp_path / 'argv'}'\n"
-                  f"printf '%s' \"${{VLLM_CPU_OMP_THREADS_BIND-<unset>}}\" > '{tmp_path / 'cpu-bind'}'\n")
+                  f"printf '%s' \"${{VLLM_CPU_OMP_THREADS_BIND-<unset>}}\" > '{tmp_path / 'cpu-bind'}'\n"
+                  f"awk '/^Cpus_allowed_list/ {{print $2}}' /proc/self/status > '{tmp_path / 'cpus-allowed'}'\n")
     env = {
         "PATH": str(bin_dir),
         "DISAGG_TERMINATION_LOG": str(tmp_path / "termination-log"),
@@ -285,6 +290,29 @@ def test_an_explicit_cpu_binding_wins(fake_pod):
     result = fake_pod.run(cpu_script())
     assert result.returncode == 0, result.stderr
     assert fake_pod.cpu_bind() == "1"
+
+
+def test_the_whole_cpu_engine_runs_on_its_cores(fake_pod):
+    """Not only vLLM's OpenMP threads: its API server, engine core and worker are confined to the bound cores, so
+    no spinning thread of this engine lands on another engine's core."""
+    os.symlink(shutil.which("taskset"), fake_pod.root / "bin" / "taskset")
+    core = str(min(os.sched_getaffinity(0)))
+    fake_pod.env["VLLM_CPU_OMP_THREADS_BIND"] = core
+    result = fake_pod.run(cpu_script())
+    assert result.returncode == 0, result.stderr
+    assert fake_pod.cpus_allowed() == core
+    # An accelerator engine is left where the kubelet put it.
+    result = fake_pod.run(script(efa_expected=False, hugepages_expected=False))
+    assert result.returncode == 0, result.stderr
+    assert fake_pod.cpus_allowed() != core or len(os.sched_getaffinity(0)) == 1
+
+
+@pytest.mark.parametrize("bind, said", [("1", "no taskset in the image"), ("0|1", "not one list of cores")])
+def test_a_cpu_engine_that_cannot_be_confined_still_starts_and_says_why(fake_pod, bind, said):
+    fake_pod.env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    result = fake_pod.run(cpu_script())
+    assert result.returncode == 0, result.stderr
+    assert said in result.stderr and fake_pod.cpu_bind() == bind
 
 
 @pytest.mark.parametrize("status, shown", [("Name:\tpython3\n", "is ''"),
