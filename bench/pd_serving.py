@@ -891,7 +891,10 @@ async def main_async(args: argparse.Namespace) -> dict:
         try:
             got, info = await runner(ph, stub_cfg if phase == "stub" else cfg, wanted)
         except Exception as e:  # noqa: BLE001 - one phase failing must not lose the others' results
-            got, info = [], {"error": f"{type(e).__name__}: {e}"[:2000]}
+            # The whole message (an engine's stacks, its errors) goes to a file; the result keeps its start.
+            full = logs / f"phase-{phase}-error.txt"
+            full.write_text(f"{type(e).__name__}: {e}\n")
+            got, info = [], {"error": f"{type(e).__name__}: {e}"[:2000], "error_file": str(full)}
             log(f"phase {phase} failed: {info['error']}")
         finally:
             info["engine_seconds"] = ph.stop()

@@ -70,7 +70,7 @@ def _pd_serving(name: str, d: dict[str, Any]) -> Iterator[Row]:
         ("ttft_router_pull_over_mono", "P/D through our router / one plain engine TTFT", None),
     ]
     for key, measure, goal in wanted:
-        if key not in h:
+        if not h.get(key):  # arms this run did not have
             continue
         yield Row("pd_serving", f"{measure}, p50", h[key].get("geomean_p50"), "x", name,
                   _ci(h[key].get("geomean_p50_ci90")), goal, n)

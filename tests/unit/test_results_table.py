@@ -74,3 +74,17 @@ def test_polling_must_not_lose_capacity_against_spinning(bench):
     assert [r.met for r in worse if r.goal] == [False]
     ttft = next(r for r in better if r.measure.startswith("push: TTFT p50"))
     assert (ttft.value, ttft.ci90) == (0.8, (0.6, 0.9))
+
+
+def test_a_run_of_some_arms_gives_rows_for_those_only(bench):
+    """A pull-only run (pd_serving --arms ...) has no push ratios: they are null, not rows, and not a crash."""
+    _, table = bench
+    ratio = {"per_cell": {"256tok@2/s": {"p50": 0.99}}, "geomean_p50": 0.99, "geomean_p99": 0.94,
+             "geomean_p50_ci90": [0.96, 1.03]}
+    result = {"benchmark": "pd_serving", "config": {"cells": ["256tok@2/s"], "requests_per_cell": 25, "rounds": 4},
+              "headline": {"ttft_router_pull_over_vllm_router_pull": ratio, "ttft_push_concurrent_over_pull": None,
+                           "failures": {}}}
+    rows = table.rows({"pull_only.json": result})
+    assert {r.measure for r in rows if "TTFT" in r.measure} == {
+        "our router / vllm-router TTFT (pull pair), p50", "our router / vllm-router TTFT (pull pair), p99"}
+    assert all("100 requests (4 ABBA rounds)" in r.n for r in rows if "TTFT" in r.measure)
