@@ -232,6 +232,25 @@ def ratios(local: ArmResult, cluster: ArmResult, metric: str = "ttft") -> dict:
             **{f"geomean_{k}": round(math.exp(sum(v) / len(v)), 3) for k, v in logs.items() if v}}
 
 
+def breakdown(arm: ArmResult) -> dict:
+    """Per cell, the p50 (ms) of each part of TTFT, from the router's access log matched to the client's rows:
+    router receipt to prefill answered, prefill answered to first token relayed (the handoff), and the rest of
+    the client's TTFT (client to router and back: the Service hop in the cluster)."""
+    out = {}
+    for cell in arm.cells:
+        rows = [r for r in cell["requests"] if r[1] and len(r) > 10 and r[10] is not None and r[9] is not None]
+        parts = {"router_to_prefill_answered": [r[9] for r in rows],
+                 "handoff": [r[10] - r[9] for r in rows],
+                 "client_router_path": [r[2] - r[10] for r in rows]}
+        out[cell["cell"]] = {"n": len(rows), **{k: _p50(v) for k, v in parts.items()}}
+    return out
+
+
+def _p50(values: list[float]) -> float | None:
+    q = quantile(values, 0.5)
+    return None if q is None else round(q, 2)
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     cfg = Config(cells=parse_cells(args.cells), requests=args.requests, max_tokens=args.max_tokens,
                  timeout=args.timeout, seed=args.seed, warmup=args.warmup)
@@ -261,7 +280,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         "arms": {"local-router-push": asdict(local), "cluster-router-push": asdict(cluster)},
         "headline": {"ttft_cluster_over_local": {**ratios(local, cluster),
                                                  "goal": "cluster/local TTFT p50 and p99 at most 1.05"},
-                     "handoff_cluster_over_local": ratios(local, cluster, "handoff")},
+                     "handoff_cluster_over_local": ratios(local, cluster, "handoff"),
+                     "ttft_parts_p50_ms": {"local": breakdown(local), "cluster": breakdown(cluster)}},
         "cpu_timeline": timeline.to_json(),
         "elapsed_s": round(time.monotonic() - started, 1),
     }

@@ -37,6 +37,7 @@ class Result:
     handoff: float | None = None  # direct arms (the client's) and our router's (its access log)
     request_id: str | None = None  # the X-Request-Id a router answered with
     prefill: float | None = None  # direct arms only: send -> prefill response
+    router_ms: dict | None = None  # our router's access-log times for it (ms from the router's receipt)
 
 
 def completion_body(prompt: str, max_tokens: int) -> dict:

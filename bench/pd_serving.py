@@ -212,9 +212,10 @@ def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int,
         "wall_s": round(wall, 2),
         # [index, ok, TTFT ms, prefill-response ms (direct arms), end-to-end ms, output tokens, error,
         #  sent (time.monotonic s: comparable with a bench/cpu_timeline.py sample of the same run),
-        #  handoff ms (direct arms: the client's; our router: its access log)]
+        #  handoff ms (direct arms: the client's; our router: its access log),
+        #  our router's prefill answered and first token relayed, ms from its receipt of the request (access log)]
         "requests": [[r.idx, r.ok, ms(r.ttft), ms(r.prefill), ms(r.e2e), r.tokens, r.error, round(r.sent, 3),
-                      ms(r.handoff)]
+                      ms(r.handoff), *_router_times(r)]
                      for r in sorted(results, key=lambda r: r.idx)],
     }
     handoffs = [r.handoff for r in ok if r.handoff is not None]
@@ -222,6 +223,11 @@ def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int,
         out["handoff"] = {**dist(handoffs), "source": handoff_source}
         out["prefill"] = dist([r.prefill for r in ok if r.prefill is not None])
     return out
+
+
+def _router_times(r: Result) -> list[float | None]:
+    times = r.router_ms or {}
+    return [times.get("prefill_done"), times.get("first_token")]
 
 
 # -- processes -------------------------------------------------------------------------------------------------
@@ -241,17 +247,17 @@ ROUTER_ACCESS_LOGS: dict[str, Callable[[], Iterable[str]]] = {}
 file, a router pod's log. Each request's exact handoff is there."""
 
 
-def access_log_handoffs(lines: Iterable[str]) -> dict[str, float]:
-    """Request id -> handoff seconds, from an access log's lines. Other lines (a pod's log also has the router's
-    own messages) are skipped; request ids are unique, so a whole log can be read again after every cell."""
+def access_log_records(lines: Iterable[str]) -> dict[str, dict]:
+    """Request id -> its access-log record, from an access log's lines. Other lines (a pod's log also has the
+    router's own messages) are skipped; request ids are unique, so a whole log can be read again after every cell."""
     out = {}
     for text in lines:
         try:
             line = json.loads(text)
         except ValueError:
             continue
-        if isinstance(line, dict) and line.get("request_id") and line.get("handoff_ms") is not None:
-            out[line["request_id"]] = line["handoff_ms"] / 1000
+        if isinstance(line, dict) and line.get("request_id"):
+            out[line["request_id"]] = line
     return out
 
 
@@ -350,10 +356,13 @@ async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell:
     wall = (max(ends) - t0) if ends else 0.0
     source = None
     if access_log is not None:
-        handoffs = access_log_handoffs(access_log())
+        records = access_log_records(access_log())
         for r in results:
-            if r.ok and r.request_id in handoffs:
-                r.handoff = handoffs[r.request_id]
+            record = records.get(r.request_id or "")
+            if r.ok and record is not None:
+                r.router_ms = record.get("ms")
+                if record.get("handoff_ms") is not None:
+                    r.handoff = record["handoff_ms"] / 1000
         source = "our router's access log (per request: prefill answered to first token relayed)"
     summary = summarize(cell, results, wall, len(reqs), *([source] if source else []))
     summary["arrival_span_s"] = reqs[-1].arrival  # planned/arrival_span: the throughput of a zero-latency server

@@ -53,3 +53,14 @@ def test_rounds_pool_their_requests(pd):
     assert merged["errors"] == ["HTTP 502"]
     assert [r["throughput_rps"] for r in merged["rounds"]] == [1.0, 0.5]
     assert all("requests" not in r for r in merged["rounds"])
+
+
+def test_cluster_path_splits_ttft_into_the_routers_parts(pd):
+    """Client TTFT 60 ms, router: prefill answered at 30 ms and first token relayed at 48 ms after its receipt."""
+    cluster_path = importlib.import_module("cluster_path")
+    rows = [[0, True, 60.0, None, 200.0, 16, None, 1.0, 18.0, 30.0, 48.0],
+            [1, True, 80.0, None, 220.0, 16, None, 2.0, 20.0, None, None],  # no access-log record: left out
+            [2, False, None, None, None, 0, "HTTP 502", 3.0, None, None, None]]
+    arm = pd.ArmResult("a", "cluster", "d", cells=[{"cell": "256tok@1/s", "requests": rows}])
+    assert cluster_path.breakdown(arm) == {"256tok@1/s": {
+        "n": 1, "router_to_prefill_answered": 30.0, "handoff": 18.0, "client_router_path": 12.0}}
