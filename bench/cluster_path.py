@@ -52,6 +52,7 @@ from pd_serving import (
     ArmResult,
     Config,
     Phase,
+    abba,
     log,
     merge_rounds,
     parse_cells,
@@ -153,8 +154,7 @@ class ClusterPair:
 
 def schedule(rounds: int) -> list[tuple[int, str]]:
     """ABBA: (round, arm) in order, the arm that goes first alternating per round."""
-    order = list(ARMS)
-    return [(r, arm) for r in range(rounds) for arm in (order if r % 2 == 0 else order[::-1])]
+    return abba(list(ARMS), rounds)
 
 
 def merge(segments: list[tuple[int, ArmResult]]) -> ArmResult:

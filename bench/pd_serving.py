@@ -60,6 +60,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 from pd_client import (
@@ -415,6 +416,9 @@ class Arm:
     result: ArmResult | None = None
 
 
+T = TypeVar("T")
+
+
 async def run_arms(arms: list[Arm], cfg: Config) -> list[ArmResult]:
     """Warm every arm, then run cell by cell. Per cell the arms run `cfg.rounds` times in ABBA order (the first arm
     of a cell rotates from cell to cell), so that whichever arm goes first, and the engines' drift over the phase,
@@ -448,7 +452,7 @@ async def run_arms(arms: list[Arm], cfg: Config) -> list[ArmResult]:
     return [a.result for a in arms]
 
 
-def abba(order: list[Arm], rounds: int) -> list[tuple[int, Arm]]:
+def abba(order: list[T], rounds: int) -> list[tuple[int, T]]:
     """(round, arm) in running order: the order as given in even rounds, reversed in odd ones (ABBA)."""
     return [(r, arm) for r in range(rounds) for arm in (order if r % 2 == 0 else order[::-1])]
 
