@@ -318,9 +318,12 @@ class ArmResult:
 
 
 async def warm(session: aiohttp.ClientSession, send: Sender, arm: str, cfg: Config, longest: int) -> list[dict]:
-    """A few requests one at a time: the first of a fresh pair can be slow or hang (lazy NIXL handshake)."""
+    """A few requests one at a time: the first of a fresh pair can be slow or hang (lazy NIXL handshake).
+
+    Their prompts depend on the seed: a pair that serves two rounds in a row would otherwise answer the second
+    round's warm-up from its prefix cache, and warm nothing."""
     out = []
-    rng = random.Random(f"warm/{arm}")
+    rng = random.Random(f"warm/{arm}/{cfg.seed}")
     lengths = [256] * max(cfg.warmup - 1, 1) + [longest]
     for i, n in enumerate(lengths):
         prompt = arm_tag(arm) + f"{i:04d}" + "".join(rng.choice(ALPHABET) for _ in range(n - 12))
