@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import result_file
 from pd_client import percentile_ratio_ci, quantile, via
 from pd_serving import RESULTS, Cell, Config, Phase, log, per_request, run_cell, warm
 
@@ -228,7 +229,7 @@ def main() -> None:
         args.rates, args.requests, args.idle_s = [1.0, 4.0], 8, 2.0
     result = asyncio.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    args.out.write_text(result_file.dumps(result) + "\n")
     print(json.dumps({"headline": result["headline"], "out": str(args.out)}, indent=1))
 
 

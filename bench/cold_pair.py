@@ -68,6 +68,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import result_file  # noqa: E402
 from pd_client import ALPHABET, Result, advertisement, completion_body, cpu_sample, direct_push, ms, one, quantile, via  # noqa: E402
 
 from disagg.devcluster import tinymodel, vllm_env  # noqa: E402
@@ -581,7 +582,7 @@ def main() -> None:
         args.pairs, args.warm = 1, 2
     result = asyncio.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(result_file.dumps(result) + "\n")
     print(json.dumps(result, indent=2))
     for arm, h in result["headline"].items():
         log(f"{arm:12s} cold/warm p50 {h['cold_over_warm_p50']} (90% {h['cold_over_warm_p50_ci90']}), median of pair "

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import result_file
 from lightkube import AsyncClient, Client, KubeConfig, codecs
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.models.meta_v1 import ObjectMeta
@@ -326,7 +327,7 @@ def main() -> None:
             "idle_requests_by_verb_and_resource": by_verb_and_resource(idle),
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.write_text(result_file.dumps(result) + "\n")
         print(json.dumps(result, indent=2))
     finally:
         if operator is not None and operator.poll() is None:

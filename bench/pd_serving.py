@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
+import result_file
 from pd_client import (
     ALPHABET,
     LAYOUT,
@@ -1021,12 +1022,12 @@ def main() -> None:
         if args.merge_into:
             result = merge(json.loads(args.merge_into.read_text()), result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(result_file.dumps(result) + "\n")
     if not args.no_plot:
         err = plot(args.out, args.out.with_suffix(".png"))
         if err:
             result["plot_error"] = err
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
+            args.out.write_text(result_file.dumps(result) + "\n")
     print(json.dumps(result, indent=2))
     for row in result["table"]:
         log("{arm:24s} {cell:14s} ok {ok:2d}/{planned:<2d} ttft p50 {ttft_p50_ms} p99 {ttft_p99_ms}  handoff p50 "

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import result_file
 import yaml
 from cluster_path import percentile_ratio_ci
 from lightkube import Client, codecs
@@ -358,7 +358,7 @@ def main() -> int:
         args.steady_seconds, args.settle_seconds = 20.0, 10.0
     result = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(result_file.dumps(result) + "\n")
     print(yaml.safe_dump(result["headline"], sort_keys=False))
     return 1 if result["headline"]["failed_requests"] else 0
 
