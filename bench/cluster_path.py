@@ -54,7 +54,7 @@ from pd_serving import (
     Phase,
     abba,
     log,
-    merge_rounds,
+    merge_segments,
     parse_cells,
     per_request,
     run_arms,
@@ -157,16 +157,6 @@ def schedule(rounds: int) -> list[tuple[int, str]]:
     return abba(list(ARMS), rounds)
 
 
-def merge(segments: list[tuple[int, ArmResult]]) -> ArmResult:
-    """One arm's segments as one result: per cell, every round's requests (pd_serving.merge_rounds)."""
-    first = segments[0][1]
-    out = ArmResult(first.arm, first.phase, first.description,
-                    warmup=[w for _, s in segments for w in s.warmup])
-    for i in range(len(first.cells)):
-        out.cells.append(merge_rounds([s.cells[i] for _, s in segments if len(s.cells) > i]))
-    return out
-
-
 def cell_cpu(timeline: CpuTimeline, cell: dict) -> dict:
     """Where the CPU went during one cell: cores per group over the cell, and over each of its slowest requests'
     wait for a first token (bench/cpu_timeline.py)."""
@@ -209,7 +199,7 @@ async def run_segments(cfg: Config, logs: Path, rounds: int,
                              "cpu": [cell_cpu(timeline, cell) for cell in result.cells]})
         if current is not None:
             pairs[current].down()
-        return {arm: merge(rs) for arm, rs in results.items()}, segments, info
+        return {arm: merge_segments([s for _, s in rs]) for arm, rs in results.items()}, segments, info
     finally:
         c.stop()
 

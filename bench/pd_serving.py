@@ -38,6 +38,9 @@ another's blocks; the remaining characters and the arrival times are identical a
 
 Run (engines need the machine-wide lock):
   flock /tmp/disagg-engines.lock .venv/bin/python bench/pd_serving.py
+`--phase-rounds N` alternates the push and pull phases ABBA (push, pull, pull, push, ...), each on fresh engines,
+and pools each arm's rounds: push and pull then share the run's drift instead of one preceding the other. Every
+request's TPOT (time per output token after the first) is reported beside its TTFT.
 Writes bench/results/pd_serving.json (also printed) and bench/results/pd_serving.png. `--quick` is a tiny
 configuration to check the harness; `--no-plugin` the before-the-plugin configuration.
 """
@@ -118,6 +121,7 @@ DEFINITIONS = {
     "ratios": "numerator/denominator of p50 and p99 per cell, for cells where both arms completed at least half "
               "their requests; geomean over cells; geomean_p50_ci90 is a bootstrap over requests (stalls are "
               "correlated in time, so the true uncertainty is wider)",
+    "tpot": "time per output token after the first, per request: (end-to-end - TTFT) / (output tokens - 1)",
     "cpu": "per cell, cores busy machine-wide, in this benchmark's process tree, and foreign (other users)",
 }
 
@@ -209,6 +213,7 @@ def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int,
         "errors": sorted({r.error for r in errors if r.error})[:5],
         "ttft": dist([r.ttft for r in ok if r.ttft is not None]),
         "e2e": dist([r.e2e for r in ok if r.e2e is not None]),
+        "tpot": dist([t for t in (tpot(r.ttft, r.e2e, r.tokens) for r in ok) if t is not None]),
         "throughput_rps": round(len(ok) / wall, 3) if wall > 0 else None,
         "output_tokens_per_s": round(tokens / wall, 2) if wall > 0 else None,
         "wall_s": round(wall, 2),
@@ -225,6 +230,14 @@ def summarize(cell: Cell, results: list[Result], wall: float, n_planned: int,
         out["handoff"] = {**dist(handoffs), "source": handoff_source}
         out["prefill"] = dist([r.prefill for r in ok if r.prefill is not None])
     return out
+
+
+def tpot(ttft: float | None, e2e: float | None, tokens: int) -> float | None:
+    """Time per output token after the first: (end-to-end - TTFT) / (tokens - 1), vLLM's definition; None for a
+    request of one token."""
+    if ttft is None or e2e is None or tokens < 2:
+        return None
+    return (e2e - ttft) / (tokens - 1)
 
 
 def _router_times(r: Result) -> list[float | None]:
@@ -479,6 +492,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
            **{key: sum(r[key] for r in rounds) for key in ("planned", "sent", "ok", "failed", "timeouts")},
            "errors": sorted({e for r in rounds for e in r["errors"]})[:5],
            "ttft": dist(col(2)), "e2e": dist(col(4)),
+           "tpot": dist([t for t in (tpot(row[2] / 1000, row[4] / 1000, row[5]) for row in ok
+                                     if row[2] is not None and row[4] is not None) if t is not None]),
            **{key: _mean([r[key] for r in rounds]) for key in ("throughput_rps", "output_tokens_per_s")},
            "cpu": {key: _mean([r["cpu"][key] for r in rounds if "cpu" in r]) for key in first.get("cpu", {})},
            "wall_s": round(sum(r["wall_s"] for r in rounds), 2), "arrival_span_s": first.get("arrival_span_s"),
@@ -488,6 +503,30 @@ def merge_rounds(rounds: list[dict]) -> dict:
         out["handoff"] = {**dist(col(8)), "source": next(r["handoff"]["source"] for r in rounds if "handoff" in r)}
         out["prefill"] = dist(col(3))
     return out
+
+
+def merge_segments(segments: list[ArmResult]) -> ArmResult:
+    """One arm's results from several runs of its phase (fresh engines each) as one: per cell, in the first
+    segment's cell order, every segment's requests pooled (merge_rounds); warm-ups concatenated; the first skip
+    reason kept."""
+    first = segments[0]
+    out = ArmResult(first.arm, first.phase, first.description, router=first.router,
+                    warmup=[w for s in segments for w in s.warmup],
+                    skipped=next((s.skipped for s in segments if s.skipped), None))
+    names = [c["cell"] for c in first.cells]
+    names += [c["cell"] for s in segments[1:] for c in s.cells if c["cell"] not in names]
+    for name in names:
+        out.cells.append(merge_rounds([c for s in segments for c in s.cells if c["cell"] == name]))
+    return out
+
+
+def phase_schedule(phases: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, phase) in running order: stub first, then push and pull alternating ABBA for `rounds` rounds (each
+    run on fresh engines, so that drift over the run and whichever pair goes first weigh on both alike), then
+    mono. Phases not listed are left out."""
+    paired = [p for p in ("push", "pull") if p in phases]
+    return ([(0, "stub")] if "stub" in phases else []) + abba(paired, rounds) + \
+        ([(0, "mono")] if "mono" in phases else [])
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -726,7 +765,8 @@ def table(arms: dict[str, ArmResult]) -> list[dict]:
             h = c.get("handoff") or {}
             rows.append({"arm": name, "cell": c["cell"], "ok": c["ok"], "planned": c["planned"],
                          "failed": c["failed"], "timeouts": c["timeouts"], "ttft_p50_ms": c["ttft"]["p50_ms"],
-                         "ttft_p99_ms": c["ttft"]["p99_ms"], "handoff_p50_ms": h.get("p50_ms"),
+                         "ttft_p99_ms": c["ttft"]["p99_ms"], "tpot_p50_ms": (c.get("tpot") or {}).get("p50_ms"),
+                         "tpot_p99_ms": (c.get("tpot") or {}).get("p99_ms"), "handoff_p50_ms": h.get("p50_ms"),
                          "handoff_p99_ms": h.get("p99_ms"), "handoff_mean_ms": h.get("mean_ms"),
                          "throughput_rps": c["throughput_rps"], "output_tokens_per_s": c["output_tokens_per_s"],
                          "foreign_cpu_cores": c["cpu"]["foreign_cores"]})
@@ -734,11 +774,13 @@ def table(arms: dict[str, ArmResult]) -> list[dict]:
 
 
 def per_request(cell: dict | None, metric: str) -> list[float]:
-    """Successful requests' TTFT or handoff in ms, from the cell's request rows (results written before rows had
+    """Successful requests' TTFT, TPOT or handoff in ms, from the cell's request rows (results written before rows had
     a handoff column: the direct arms' TTFT minus prefill)."""
     rows = [r for r in (cell or {}).get("requests", []) if r[1] and r[2] is not None]
     if metric == "ttft":
         return [r[2] for r in rows]
+    if metric == "tpot":
+        return [t for t in (tpot(r[2], r[4], r[5]) for r in rows if r[4] is not None) if t is not None]
     if metric != "handoff":
         return []
     if rows and len(rows[0]) > 8:
@@ -782,6 +824,9 @@ def headline(arms: dict[str, ArmResult]) -> dict:
         "ttft_router_pull_over_direct_pull": ("router-pull", "direct-pull", "ttft"),
         "ttft_vllm_router_pull_over_direct_pull": ("vllm-router-pull", "direct-pull", "ttft"),
         "ttft_router_pull_over_mono": ("router-pull", "mono", "ttft"),
+        "tpot_push_concurrent_over_pull": ("router-push-concurrent", "router-pull", "tpot"),
+        "tpot_direct_push_over_direct_pull": ("direct-push", "direct-pull", "tpot"),
+        "tpot_router_pull_over_vllm_router_pull": ("router-pull", "vllm-router-pull", "tpot"),
     }
     cells = sorted({c["cell"] for a in arms.values() for c in a.cells}, key=lambda s: (int(s.split("tok")[0]), s))
     out: dict = {}
@@ -888,7 +933,6 @@ async def main_async(args: argparse.Namespace) -> dict:
     log(f"engine and router logs: {logs}")
     started = time.monotonic()
     load0 = Path("/proc/loadavg").read_text().split()[:3]
-    results: dict[str, ArmResult] = {}
     phases: dict[str, dict] = {}
     engine_options = dict(parse_option(o) for o in args.engine_option)
     spec_fields = sorted(f.name for f in dataclasses.fields(EngineSpec))
@@ -898,26 +942,30 @@ async def main_async(args: argparse.Namespace) -> dict:
     stub_cfg = dataclasses.replace(cfg, cells=parse_cells(args.stub_cells), requests=args.stub_requests, gap=0.2)
     plugin_dir = None if args.no_plugin else install_plugin(logs / "plugin")
     log(f"connector plugin: {plugin_dir or 'off (--no-plugin): vLLM connector alone, static engines file'}")
-    for phase, runner in (("stub", stub_phase), ("push", push_phase), ("pull", pull_phase), ("mono", mono_phase)):
-        wanted = [a for a in arms if ARMS[a] == phase]
-        if not wanted:
-            continue
-        log(f"phase {phase}: starting {'stub engines' if phase == 'stub' else 'engines'}")
+    runners = {"stub": stub_phase, "push": push_phase, "pull": pull_phase, "mono": mono_phase}
+    segments: dict[str, list[ArmResult]] = {}
+    for r, phase in phase_schedule(sorted({ARMS[a] for a in arms}), args.phase_rounds):
+        runner, wanted = runners[phase], [a for a in arms if ARMS[a] == phase]
+        label = phase if r == 0 else f"{phase}-round{r}"
+        # Within a phase run, its arms' rounds use seed + 0 .. rounds - 1; the next phase round follows on.
+        phase_cfg = dataclasses.replace(cfg, seed=cfg.seed + r * cfg.rounds)
+        log(f"phase {label}: starting {'stub engines' if phase == 'stub' else 'engines'}")
         ph = Phase(python, model, logs, engine_options, plugin_dir if phase in ("push", "pull") else None)
         info: dict = {}
         try:
-            got, info = await runner(ph, stub_cfg if phase == "stub" else cfg, wanted)
+            got, info = await runner(ph, stub_cfg if phase == "stub" else phase_cfg, wanted)
         except Exception as e:  # noqa: BLE001 - one phase failing must not lose the others' results
             # The whole message (an engine's stacks, its errors) goes to a file; the result keeps its start.
-            full = logs / f"phase-{phase}-error.txt"
+            full = logs / f"phase-{label}-error.txt"
             full.write_text(f"{type(e).__name__}: {e}\n")
             got, info = [], {"error": f"{type(e).__name__}: {e}"[:2000], "error_file": str(full)}
-            log(f"phase {phase} failed: {info['error']}")
+            log(f"phase {label} failed: {info['error']}")
         finally:
             info["engine_seconds"] = ph.stop()
-        phases[phase] = info
+        phases[label] = info
         for a in got:
-            results[a.arm] = a
+            segments.setdefault(a.arm, []).append(a)
+    results = {arm: merge_segments(s) for arm, s in segments.items()}
     return {
         "benchmark": "pd_serving",
         "issue": 4,
@@ -928,8 +976,11 @@ async def main_async(args: argparse.Namespace) -> dict:
                             + ("" if plugin_dir else "; without the plugin vLLM's NIXL worker moves both P/D "
                                "engines' model threads onto core 1")},
         "config": {"cells": [c.name for c in cfg.cells], "requests_per_cell": cfg.requests, "rounds": cfg.rounds,
+                   "phase_rounds": args.phase_rounds,
                    "order": "per cell, the arms in ABBA rounds (the first arm rotating from cell to cell), round "
-                            "r with seed + r; the cell's figures pool every round's requests",
+                            "r with seed + r; the cell's figures pool every round's requests. With phase_rounds "
+                            "> 1 the push and pull phases alternate ABBA, each on fresh engines, phase round k "
+                            "using seeds from seed + k * rounds",
                    "stub_cells": [c.name for c in stub_cfg.cells], "stub_requests_per_cell": stub_cfg.requests,
                    "max_tokens": cfg.max_tokens, "request_timeout_s": cfg.timeout, "seed": cfg.seed,
                    "warmup_requests": cfg.warmup, "model": f"{args.model} (devcluster/tinymodel.py), bf16",
@@ -989,6 +1040,9 @@ def main() -> None:
     p.add_argument("--cells", default=DEFAULT_CELLS, help="prompt tokens @ requests/s, comma-separated")
     p.add_argument("--requests", type=int, default=12, help="requests per cell, arm and round")
     p.add_argument("--rounds", type=int, default=1, help="ABBA rounds per cell (round r: seed + r)")
+    p.add_argument("--phase-rounds", type=int, default=1,
+                   help="push and pull phases alternate ABBA this many rounds, each on fresh engines; their arms "
+                        "pool every round's requests (push vs pull measured side by side)")
     p.add_argument("--model", default="tiny", choices=sorted(tinymodel.SPECS),
                    help="the engines' model (devcluster/tinymodel.py): kv64k has 64 KiB of KV per token")
     p.add_argument("--stub-cells", default=DEFAULT_STUB_CELLS, help="cells of the stub-engine (router overhead) arms")

@@ -64,3 +64,33 @@ def test_cluster_path_splits_ttft_into_the_routers_parts(pd):
     arm = pd.ArmResult("a", "cluster", "d", cells=[{"cell": "256tok@1/s", "requests": rows}])
     assert cluster_path.breakdown(arm) == {"256tok@1/s": {
         "n": 1, "router_to_prefill_answered": 30.0, "handoff": 18.0, "client_router_path": 12.0}}
+
+
+def test_tpot_is_the_time_per_token_after_the_first(pd):
+    # cell_round's requests: 16 tokens, end-to-end = TTFT + 100 ms, so TPOT = 100 / 15 ms.
+    merged = pd.merge_rounds([cell_round([10.0, 20.0], [1.0, 2.0], 1.0), cell_round([30.0], [3.0], 1.0)])
+    assert merged["tpot"]["n"] == 3 and merged["tpot"]["p50_ms"] == round(100 / 15, 1)
+    assert pd.per_request(merged, "tpot") == pytest.approx([100 / 15] * 3)
+    assert pd.tpot(0.01, 0.5, 1) is None and pd.tpot(None, 0.5, 16) is None
+    assert pd.tpot(0.1, 0.4, 4) == pytest.approx(0.1)
+
+
+def test_push_and_pull_phases_alternate_abba_between_stub_and_mono(pd):
+    assert pd.phase_schedule(["mono", "pull", "push", "stub"], 2) == [
+        (0, "stub"), (0, "push"), (0, "pull"), (1, "pull"), (1, "push"), (0, "mono")]
+    assert pd.phase_schedule(["pull"], 3) == [(0, "pull"), (1, "pull"), (2, "pull")]
+    assert pd.phase_schedule(["stub", "mono"], 4) == [(0, "stub"), (0, "mono")]
+
+
+def test_segments_of_one_arm_pool_per_cell_by_name(pd):
+    a = cell_round([10.0, 20.0], [1.0, 2.0], 1.0)
+    b = {**cell_round([30.0, 40.0], [3.0, 4.0], 1.0), "cell": "1024tok@1/s"}
+    first = pd.ArmResult("router-pull", "pull", "d", warmup=[{"ok": True}], cells=[a, b])
+    second = pd.ArmResult("router-pull", "pull", "d", warmup=[{"ok": False}], cells=[b, a],
+                          skipped="aborted in 1024tok@1/s")
+    merged = pd.merge_segments([first, second])
+    assert [c["cell"] for c in merged.cells] == ["256tok@1/s", "1024tok@1/s"]
+    assert [c["ok"] for c in merged.cells] == [4, 4]
+    assert merged.cells[1]["ttft"]["p50_ms"] == 35.0
+    assert merged.warmup == [{"ok": True}, {"ok": False}] and merged.skipped == "aborted in 1024tok@1/s"
+    assert pd.merge_segments([first]).cells == [a, b]
