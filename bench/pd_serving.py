@@ -492,8 +492,7 @@ def merge_rounds(rounds: list[dict]) -> dict:
            **{key: sum(r[key] for r in rounds) for key in ("planned", "sent", "ok", "failed", "timeouts")},
            "errors": sorted({e for r in rounds for e in r["errors"]})[:5],
            "ttft": dist(col(2)), "e2e": dist(col(4)),
-           "tpot": dist([t for t in (tpot(row[2] / 1000, row[4] / 1000, row[5]) for row in ok
-                                     if row[2] is not None and row[4] is not None) if t is not None]),
+           "tpot": dist([t / 1000 for t in per_request({"requests": ok}, "tpot")]),
            **{key: _mean([r[key] for r in rounds]) for key in ("throughput_rps", "output_tokens_per_s")},
            "cpu": {key: _mean([r["cpu"][key] for r in rounds if "cpu" in r]) for key in first.get("cpu", {})},
            "wall_s": round(sum(r["wall_s"] for r in rounds), 2), "arrival_span_s": first.get("arrival_span_s"),
