@@ -47,8 +47,8 @@ configuration to check the harness; `--no-plugin` the before-the-plugin configur
 from __future__ import annotations
 
 import argparse
-import atexit
 import asyncio
+import atexit
 import dataclasses
 import json
 import math
@@ -572,7 +572,7 @@ class Phase:
 
     def start_rendezvous(self, name: str) -> str:
         """A `disagg rendezvous` for this phase's engines to advertise to and the routers to watch."""
-        host = netns.GATEWAY if self.slots else "127.0.0.1"
+        host = self.slots[0].network.gateway if self.slots else "127.0.0.1"
         self.rendezvous = DisaggService(name, [*RENDEZVOUS.args(), "--log-level", "WARNING"], self.logs,
                                         host=host).start()
         self.rendezvous_url = self.rendezvous.url
@@ -959,11 +959,12 @@ async def main_async(args: argparse.Namespace) -> dict:
     stub_cfg = dataclasses.replace(cfg, cells=parse_cells(args.stub_cells), requests=args.stub_requests, gap=0.2)
     plugin_dir = None if args.no_plugin else install_plugin(logs / "plugin")
     log(f"connector plugin: {plugin_dir or 'off (--no-plugin): vLLM connector alone, static engines file'}")
-    slots = netns.setup(2, args.link_mbit) if args.netns else None
+    network = netns.Network()
+    slots = network.setup(2, args.link_mbit) if args.netns else None
     LINKS.update({"prefill": slots[0], "decode": slots[1]} if slots else {})
     if slots:
-        atexit.register(netns.teardown)
-        log(f"engines in network namespaces {[s.netns for s in slots]} on bridge {netns.BRIDGE}, UCX_TLS "
+        atexit.register(network.teardown)
+        log(f"engines in network namespaces {[s.netns for s in slots]} on bridge {network.bridge}, UCX_TLS "
             f"{netns.NETNS_UCX_TLS}, links {f'shaped to {args.link_mbit} Mbit/s' if args.link_mbit else 'unshaped'}")
     runners = {"stub": stub_phase, "push": push_phase, "pull": pull_phase, "mono": mono_phase}
     segments: dict[str, list[ArmResult]] = {}

@@ -6,8 +6,9 @@ memory. In a namespace of its own an engine is reached at its own address, and w
 (NETNS_UCX_TLS) its KV crosses the veth: bytes that can be counted on the link and, optionally, shaped with `tc`
 to a stated bandwidth.
 
-Invariants: every name this module makes starts with PREFIX, so `teardown()` removes whatever an earlier,
-killed run left; an address is a pure function of the engine's slot, so the same slot always gets the same one.
+Invariants: every name a Network makes starts with its prefix, so its `teardown()` removes whatever an earlier,
+killed run left, and no other network's; an address is a pure function of the slot, so the same slot always
+gets the same one.
 """
 from __future__ import annotations
 
@@ -16,10 +17,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-PREFIX = "dgb"
-BRIDGE = f"{PREFIX}-br0"
-SUBNET = ipaddress.ip_network("10.231.0.0/24")
-GATEWAY = str(SUBNET[1])
 MTU = 9001
 """An AWS VPC's jumbo frame size, the MTU an EFA node's pods see."""
 NETNS_UCX_TLS = "tcp,self"
@@ -31,27 +28,83 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
 
 
-def _tc(*args: str) -> None:
-    subprocess.run(["tc", *args], check=True, capture_output=True, text=True)
+def _tc(*prefix_and_args: str) -> None:
+    subprocess.run([*prefix_and_args], check=True, capture_output=True, text=True)
+
+
+@dataclass(frozen=True)
+class Network:
+    """A bridge and the namespaces on it. Two networks with different prefixes and subnets coexist."""
+
+    prefix: str = "dgb"
+    subnet: str = "10.231.0.0/24"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.prefix}-br0"
+
+    @property
+    def gateway(self) -> str:
+        """The host's address on the bridge: where namespaced engines reach host services (a rendezvous)."""
+        return str(ipaddress.ip_network(self.subnet)[1])
+
+    def slot(self, index: int) -> Slot:
+        return Slot(self, index)
+
+    def setup(self, count: int, rate_mbit: float | None = None) -> list[Slot]:
+        """`count` fresh namespaces on a fresh bridge. With `rate_mbit`, each link is shaped in both directions
+        to that rate with a token bucket (`tc tbf`)."""
+        self.teardown()
+        prefixlen = str(ipaddress.ip_network(self.subnet).prefixlen)
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "mtu", str(MTU))
+        _ip("addr", "add", f"{self.gateway}/{prefixlen}", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        slots = [self.slot(i) for i in range(count)]
+        for s in slots:
+            _ip("netns", "add", s.netns)
+            _ip("link", "add", s.host_veth, "mtu", str(MTU), "type", "veth", "peer", "name", "eth0", "mtu",
+                str(MTU), "netns", s.netns)
+            _ip("link", "set", s.host_veth, "master", self.bridge, "up")
+            ns = ["-n", s.netns]
+            _ip(*ns, "addr", "add", f"{s.address}/{prefixlen}", "dev", "eth0")
+            _ip(*ns, "link", "set", "lo", "up")
+            _ip(*ns, "link", "set", "eth0", "up")
+            _ip(*ns, "route", "add", "default", "via", self.gateway)
+            if rate_mbit:
+                burst = str(max(int(rate_mbit * 125), MTU * 4))  # bytes: 1 ms at the rate, at least 4 frames
+                shape = ["root", "tbf", "rate", f"{rate_mbit}mbit", "burst", burst, "latency", "50ms"]
+                _tc("tc", "qdisc", "add", "dev", s.host_veth, *shape)
+                _tc(*s.exec_prefix(), "tc", "qdisc", "add", "dev", "eth0", *shape)
+        return slots
+
+    def teardown(self) -> None:
+        """Remove every namespace and the bridge of this network (deleting a namespace deletes its veth)."""
+        for line in _ip("netns", "list", check=False).stdout.splitlines():
+            name = line.split(" ")[0]
+            if name.startswith(f"{self.prefix}-"):
+                _ip("netns", "delete", name, check=False)
+        _ip("link", "delete", self.bridge, check=False)
 
 
 @dataclass(frozen=True)
 class Slot:
     """One engine's namespace: its name, its address and the host end of its veth."""
 
+    network: Network
     index: int
 
     @property
     def netns(self) -> str:
-        return f"{PREFIX}-ns{self.index}"
+        return f"{self.network.prefix}-ns{self.index}"
 
     @property
     def address(self) -> str:
-        return str(SUBNET[10 + self.index])
+        return str(ipaddress.ip_network(self.network.subnet)[10 + self.index])
 
     @property
     def host_veth(self) -> str:
-        return f"{PREFIX}-h{self.index}"
+        return f"{self.network.prefix}-h{self.index}"
 
     def exec_prefix(self) -> list[str]:
         """Prefix for a command line that runs the command inside this namespace (`ip netns exec` execs in place,
@@ -59,43 +112,7 @@ class Slot:
         return ["ip", "netns", "exec", self.netns]
 
     def bytes_sent_received(self) -> tuple[int, int]:
-        """Bytes this namespace has sent and received over its link, from the host end's counters."""
+        """Bytes this namespace has sent and received over its link, from the host end's counters (the host end
+        receives what the namespace sends)."""
         stats = Path("/sys/class/net") / self.host_veth / "statistics"
-        # The host end receives what the namespace sends.
         return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
-
-
-def setup(count: int, rate_mbit: float | None = None) -> list[Slot]:
-    """`count` fresh namespaces on the bridge (made first if missing). With `rate_mbit`, each link is shaped in
-    both directions to that rate with a token bucket (`tc tbf`)."""
-    teardown()
-    _ip("link", "add", BRIDGE, "type", "bridge")
-    _ip("link", "set", BRIDGE, "mtu", str(MTU))
-    _ip("addr", "add", f"{GATEWAY}/{SUBNET.prefixlen}", "dev", BRIDGE)
-    _ip("link", "set", BRIDGE, "up")
-    slots = [Slot(i) for i in range(count)]
-    for s in slots:
-        _ip("netns", "add", s.netns)
-        _ip("link", "add", s.host_veth, "mtu", str(MTU), "type", "veth", "peer", "name", "eth0", "mtu", str(MTU),
-            "netns", s.netns)
-        _ip("link", "set", s.host_veth, "master", BRIDGE, "up")
-        ns = ["-n", s.netns]
-        _ip(*ns, "addr", "add", f"{s.address}/{SUBNET.prefixlen}", "dev", "eth0")
-        _ip(*ns, "link", "set", "lo", "up")
-        _ip(*ns, "link", "set", "eth0", "up")
-        _ip(*ns, "route", "add", "default", "via", GATEWAY)
-        if rate_mbit:
-            shape = ["root", "tbf", "rate", f"{rate_mbit}mbit", "burst", f"{max(int(rate_mbit * 125), MTU * 4)}",
-                     "latency", "50ms"]
-            _tc("qdisc", "add", "dev", s.host_veth, *shape)
-            subprocess.run(["ip", "netns", "exec", s.netns, "tc", "qdisc", "add", "dev", "eth0", *shape],
-                           check=True, capture_output=True, text=True)
-    return slots
-
-
-def teardown() -> None:
-    """Remove every namespace and the bridge this module made (deleting a namespace deletes its veth)."""
-    for name in _ip("netns", "list", check=False).stdout.split("\n"):
-        if name.split(" ")[0].startswith(f"{PREFIX}-"):
-            _ip("netns", "delete", name.split(" ")[0], check=False)
-    _ip("link", "delete", BRIDGE, check=False)
