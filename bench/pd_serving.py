@@ -105,6 +105,8 @@ ARMS = {  # arm -> phase
     "stub-vllm-router-pull": "stub",
 }
 DEFAULT_STUB_CELLS = "256@20,2048@20"
+SUSTAINED = 0.9
+"""Share of a queue-free server's throughput an arm must reach for its cell's rate to count as sustained."""
 HEARTBEAT_S = 5  # the rendezvous' and engines' default
 RENDEZVOUS = LocalRendezvous(token="pd-bench-token", deployment="bench", heartbeat=HEARTBEAT_S)
 PREWARM_TIMEOUT_S = 90
@@ -805,15 +807,29 @@ def per_request(cell: dict | None, metric: str) -> list[float]:
     return [max(0.0, r[2] - r[3]) for r in rows if r[3] is not None]
 
 
-def bootstrap_ci(samples: list[tuple[list[float], list[float]]], rng: random.Random, n: int = 2000) -> list[float]:
-    """90% interval of the geometric mean over cells of median(num)/median(den), resampling requests in each
-    cell with replacement. Wide intervals that straddle 1 mean the run cannot tell the two arms apart."""
+def sustained(cell: dict) -> bool:
+    """Whether the arm kept up with the cell's rate: its throughput is at least SUSTAINED of what a server with no
+    queue would show, planned / (arrival span + the median request's end-to-end time), since the throughput's
+    window ends with the last completion."""
+    e2e = (cell.get("e2e") or {}).get("p50_ms")
+    span = cell.get("arrival_span_s")
+    if not e2e or not span or not cell.get("throughput_rps"):
+        return False
+    planned = cell["planned"] / max(1, len(cell.get("rounds", [])))  # a merged cell: per round, as the throughput
+    return cell["throughput_rps"] >= SUSTAINED * planned / (span + e2e / 1000)
+
+
+def bootstrap_ci(samples: list[tuple[list[float], list[float]]], rng: random.Random, n: int = 2000,
+                 q: float = 0.5) -> list[float]:
+    """90% interval of the geometric mean over cells of quantile_q(num)/quantile_q(den) (the median by default),
+    resampling requests in each cell with replacement. Wide intervals that straddle 1 mean the run cannot tell the
+    two arms apart."""
     stats = []
     for _ in range(n):
         logs = []
         for a, b in samples:
-            ma = quantile([rng.choice(a) for _ in a], 0.5)
-            mb = quantile([rng.choice(b) for _ in b], 0.5)
+            ma = quantile([rng.choice(a) for _ in a], q)
+            mb = quantile([rng.choice(b) for _ in b], q)
             if ma and mb:
                 logs.append(math.log(ma / mb))
         if logs:
@@ -860,6 +876,11 @@ def headline(arms: dict[str, ArmResult]) -> dict:
                 if x is not None and y:
                     entry[key] = round(x / y, 3)
                     logs[key].append(math.log(x / y))
+            xs, ys = per_request(a, metric), per_request(b, metric)
+            if xs and ys:  # per cell, so that a goal "at every rate" is judged cell by cell
+                entry["p50_ci90"] = bootstrap_ci([(xs, ys)], rng, n=1000)
+                entry["p99_ci90"] = bootstrap_ci([(xs, ys)], rng, n=1000, q=0.99)
+            entry["sustained"] = sustained(a) and sustained(b)
             if a["failed"] or b["failed"]:
                 entry["failed"] = {num: a["failed"], den: b["failed"]}
             if "p50" in entry:

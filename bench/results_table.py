@@ -69,12 +69,43 @@ def _pd_serving(name: str, d: dict[str, Any]) -> Iterator[Row]:
         ("ttft_router_pull_over_direct_pull", "our router / no router TTFT (pull pair)", None),
         ("ttft_router_pull_over_mono", "P/D through our router / one plain engine TTFT", None),
     ]
+    wanted += [("tpot_direct_push_over_direct_pull", "push / pull TPOT (no router)", None),
+               ("tpot_push_concurrent_over_pull", "push / pull TPOT (through our router)", None)]
     for key, measure, goal in wanted:
         if not h.get(key):  # arms this run did not have
             continue
         yield Row("pd_serving", f"{measure}, p50", h[key].get("geomean_p50"), "x", name,
                   _ci(h[key].get("geomean_p50_ci90")), goal, n)
         yield Row("pd_serving", f"{measure}, p99", h[key].get("geomean_p99"), "x", name, None, goal, n)
+    yield from _pd_serving_cells(name, d)
+
+
+def _pd_serving_cells(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """Goals judged cell by cell (issue 15): on a KV-realistic model, push's handoff at most half of pull's, p50
+    and p99, at every sustained rate; with decode busy (long outputs), push's TTFT p50 below pull's. A cell whose
+    rate an arm did not sustain is shown without a goal."""
+    cfg, h = d.get("config", {}), d["headline"]
+    kv_realistic = cfg.get("kv_bytes_per_token", 0) >= 64 * 1024
+    decode_busy = cfg.get("max_tokens", 0) >= 64
+    judged = []
+    if kv_realistic:
+        judged += [("handoff_direct_push_over_direct_pull", "push / pull handoff (exact, no router)", ("p50", "p99"),
+                    Goal("<=", 0.5, "issue 15")),
+                   ("handoff_push_concurrent_over_pull", "push / pull handoff (exact: our router's access log)",
+                    ("p50", "p99"), Goal("<=", 0.5, "issue 15"))]
+    if decode_busy:
+        judged += [("ttft_direct_push_over_direct_pull", "push / pull TTFT, decode busy (no router)", ("p50",),
+                    Goal("<", 1.0, "issue 15")),
+                   ("ttft_push_concurrent_over_pull", "push / pull TTFT, decode busy (our router)", ("p50",),
+                    Goal("<", 1.0, "issue 15")),
+                   ("tpot_push_concurrent_over_pull", "push / pull TPOT, decode busy (our router)", ("p50",), None)]
+    per_cell = cfg.get("requests_per_cell", 0) * cfg.get("rounds", 1) * cfg.get("phase_rounds", 1)
+    for key, measure, quantiles, goal in judged:
+        for cell, c in ((h.get(key) or {}).get("per_cell") or {}).items():
+            kept = c.get("sustained", True)
+            for q in quantiles:
+                yield Row("pd_serving", f"{measure}, {cell}, {q}", c.get(q), "x", name, _ci(c.get(f"{q}_ci90")),
+                          goal if kept else None, f"{per_cell} requests" + ("" if kept else ", rate not sustained"))
     failed = sum(a.get("failed", 0) + a.get("timeouts", 0) for a in h.get("failures", {}).values())
     sent = sum(a.get("sent", 0) for a in h.get("failures", {}).values())
     yield Row("pd_serving", "failed requests", failed, "requests", name, None, Goal("==", 0), f"of {sent}")

@@ -88,3 +88,25 @@ def test_a_run_of_some_arms_gives_rows_for_those_only(bench):
     assert {r.measure for r in rows if "TTFT" in r.measure} == {
         "our router / vllm-router TTFT (pull pair), p50", "our router / vllm-router TTFT (pull pair), p99"}
     assert all("100 requests (4 ABBA rounds)" in r.n for r in rows if "TTFT" in r.measure)
+
+
+def busy_kv_result(cells: dict[str, dict]) -> dict:
+    return {"benchmark": "pd_serving", "config": {"kv_bytes_per_token": 64 * 1024, "max_tokens": 128,
+                                                  "cells": list(cells), "requests_per_cell": 50, "phase_rounds": 2},
+            "headline": {"handoff_direct_push_over_direct_pull": {"per_cell": cells},
+                         "ttft_direct_push_over_direct_pull": {"per_cell": cells}}}
+
+
+def test_kv_realistic_busy_decode_goals_are_judged_cell_by_cell_on_sustained_rates_only(bench):
+    _, table = bench
+    rows = table.rows({"busy.json": busy_kv_result({
+        "256tok@1/s": {"p50": 0.4, "p99": 0.7, "p50_ci90": [0.3, 0.5], "sustained": True},
+        "256tok@3/s": {"p50": 2.0, "p99": 3.0, "sustained": False}})})
+    handoff = {r.measure: r for r in rows if "handoff" in r.measure}
+    assert handoff["push / pull handoff (exact, no router), 256tok@1/s, p50"].met is True
+    assert handoff["push / pull handoff (exact, no router), 256tok@1/s, p50"].ci90 == (0.3, 0.5)
+    assert handoff["push / pull handoff (exact, no router), 256tok@1/s, p99"].met is False
+    unsustained = [r for r in rows if "256tok@3/s" in r.measure]
+    assert unsustained and all(r.goal is None and "not sustained" in r.n for r in unsustained)
+    ttft = next(r for r in rows if r.measure == "push / pull TTFT, decode busy (no router), 256tok@1/s, p50")
+    assert (ttft.met, ttft.n) == (True, "100 requests")
