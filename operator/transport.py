@@ -49,21 +49,32 @@ def check_template(template: str) -> str:
     return template
 
 
+NO_ANSWER, NO_NAME, NO_CONNECTION = "no answer in time", "cannot resolve its host name", "connection failed"
+UNREACHABLE = frozenset({NO_ANSWER, NO_NAME, NO_CONNECTION})
+"""Symptoms of one outage, a rendezvous that cannot be reached: which one a poll meets can change from poll to
+poll (a name lookup that sometimes outlasts the timeout) while nothing changed."""
+
+
 def describe_error(e: BaseException) -> str:
     """Short and stable (it becomes a condition message): the kind of failure, not the socket details."""
     if isinstance(e, asyncio.TimeoutError):
-        return "no answer in time"
+        return NO_ANSWER
     if isinstance(e, RendezvousError):
         return f"HTTP {e.status} ({e.reason})" if e.status else f"unusable answer ({e.reason})"
     if isinstance(e, aiohttp.ClientConnectorError):
         if isinstance(e.os_error, socket.gaierror) or type(e).__name__ == "ClientConnectorDNSError":
-            return "cannot resolve its host name"
-        return "connection failed"
+            return NO_NAME
+        return NO_CONNECTION
     if isinstance(e, (ValidationError, ValueError)):
         return "the answer is not an engine list"
     if isinstance(e, (aiohttp.ClientError, OSError)):
         return f"request failed ({type(e).__name__})"
     return f"unexpected error ({type(e).__name__})"
+
+
+def same_outage(before: TransportReport, after: TransportReport) -> bool:
+    """Whether two answers are the same unreachable rendezvous at the same URL, whatever symptom each met."""
+    return before.url == after.url and before.error in UNREACHABLE and after.error in UNREACHABLE
 
 
 class TransportPoller:
@@ -146,6 +157,9 @@ class TransportPoller:
         self.polls += 1
         self._polled_at[key] = self._clock()
         before = self._reports.get(key)
+        if before is not None and same_outage(before, report):
+            log.debug("rendezvous of %s/%s still unreachable: %s (reported: %s)", *key, report.error, before.error)
+            report = before  # another symptom of the same outage: no change, so no status write
         self._reports[key] = report
         if report != before:
             if before is None or before.error != report.error:

@@ -35,14 +35,14 @@ async def rendezvous() -> AsyncIterator[tuple[str, RendezvousClient]]:
 
 
 @contextlib.asynccontextmanager
-async def silent_server() -> AsyncIterator[int]:
+async def silent_server(port: int = 0) -> AsyncIterator[int]:
     """Accepts connections and never answers: a rendezvous that hangs."""
     held: list[asyncio.StreamWriter] = []
 
     async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         held.append(writer)
 
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    server = await asyncio.start_server(hold, "127.0.0.1", port)
     try:
         yield server.sockets[0].getsockname()[1]
     finally:
@@ -188,3 +188,28 @@ async def test_a_forced_read_during_a_refresh_reads_again_after_it():
             assert poller.report(KEY).engines == (EngineTransport("qwen-prefill-0", "prefill", "UCX", "u1"),)
         finally:
             await poller.close()
+
+
+@pytest.mark.timeout(30)
+async def test_one_outage_seen_through_another_symptom_is_no_change():
+    """A rendezvous that stays unreachable while the symptom changes (refused, then hanging) triggers no status
+    pass: on kwok its name lookup sometimes outlasts the timeout, and every flip cost a status write per CR. Its
+    recovery is a change."""
+    changes: list[tuple[str, str]] = []
+
+    async def on_change(key):
+        changes.append(key)
+
+    port = closed_port()
+    poller = TransportPoller(f"http://127.0.0.1:{port}", timeout=0.5, on_change=on_change)
+    server = RendezvousServer(auth=TokenAuth(TOKEN), heartbeat_seconds=1)
+    try:
+        refused = await poller.refresh(KEY)
+        assert refused.error == "connection failed" and changes == [KEY]
+        async with silent_server(port):
+            assert (await poller.refresh(KEY)) == refused and changes == [KEY], "now it hangs: the same outage"
+        await server.start("127.0.0.1", port)
+        assert (await poller.refresh(KEY)).error is None and changes == [KEY, KEY]
+    finally:
+        await poller.close()
+        await server.stop()
