@@ -56,7 +56,7 @@ def _pd_serving(name: str, d: dict[str, Any]) -> Iterator[Row]:
     h, cfg = d["headline"], d.get("config", {})
     cells = len(cfg.get("cells", []))
     per_cell = cfg.get("requests_per_cell")
-    requests = per_cell * cfg.get("rounds", 1) if isinstance(per_cell, int) else "?"
+    requests = per_cell * cfg.get("rounds", 1) * cfg.get("phase_rounds", 1) if isinstance(per_cell, int) else "?"
     n = f"geomean of {cells} cells x {requests} requests" + (f" ({cfg['rounds']} ABBA rounds)"
                                                               if cfg.get("rounds", 1) > 1 else "")
     wanted = [
@@ -80,6 +80,12 @@ def _pd_serving(name: str, d: dict[str, Any]) -> Iterator[Row]:
     yield from _pd_serving_cells(name, d)
 
 
+def _cell_order(cell: str) -> tuple[int, float]:
+    """"256tok@1.4/s" -> (256, 1.4): cells by prompt length, then rate."""
+    tokens, _, rate = cell.partition("tok@")
+    return int(tokens), float(rate.removesuffix("/s") or 0)
+
+
 def _pd_serving_cells(name: str, d: dict[str, Any]) -> Iterator[Row]:
     """Goals judged cell by cell (issue 15): on a KV-realistic model, push's handoff at most half of pull's, p50
     and p99, at every sustained rate; with decode busy (long outputs), push's TTFT p50 below pull's. A cell whose
@@ -101,7 +107,7 @@ def _pd_serving_cells(name: str, d: dict[str, Any]) -> Iterator[Row]:
                    ("tpot_push_concurrent_over_pull", "push / pull TPOT, decode busy (our router)", ("p50",), None)]
     per_cell = cfg.get("requests_per_cell", 0) * cfg.get("rounds", 1) * cfg.get("phase_rounds", 1)
     for key, measure, quantiles, goal in judged:
-        for cell, c in ((h.get(key) or {}).get("per_cell") or {}).items():
+        for cell, c in sorted(((h.get(key) or {}).get("per_cell") or {}).items(), key=lambda kv: _cell_order(kv[0])):
             kept = c.get("sustained", True)
             for q in quantiles:
                 yield Row("pd_serving", f"{measure}, {cell}, {q}", c.get(q), "x", name, _ci(c.get(f"{q}_ci90")),
