@@ -12,7 +12,11 @@ Reports, as JSON (stdout and `--out`, default bench/results/operator_scale.json)
   own user, so no client-side counting is trusted);
 - operator CPU seconds and peak RSS;
 - requests and writes during an idle resync pass, by verb and resource (should be no writes; a no-op
-  server-side apply is a PATCH that writes nothing, so PATCHes per CR measure what the resync still verifies).
+  server-side apply is a PATCH that writes nothing, so PATCHes per CR measure what the resync still verifies);
+- the operator's own count of child applies by kind and why its plan sent them (new, changed, drifted, verify),
+  for the burst and for the idle window, and its reconcile passes by trigger.
+
+`--profile FILE` records the operator with py-spy during the burst (a speedscope JSON; open it at speedscope.app).
 
 Run: `python bench/operator_scale.py [--crs 100] [--solo 20] [--fleet p5en=120,trn2=60,trn1=10,m7i=10]`.
 """
@@ -162,6 +166,8 @@ def audit_counts(log: Path, user: str, since: float = 0.0, until: float = float(
     counts: Counter = Counter()
     with log.open() as f:
         for line in f:
+            if not line.endswith("\n"):
+                break  # the apiserver is still writing this one
             ev = json.loads(line)
             # A watch is logged when it starts and again when it ends; every other request once, complete.
             counted = "ResponseStarted" if ev["verb"] == "watch" else "ResponseComplete"
@@ -190,6 +196,29 @@ def idle_child_patches_per_cr(idle: Counter, crs: int) -> float:
                  / crs, 2)
 
 
+COUNTED = ("disagg_operator_child_applies_total", "disagg_operator_reconciles_total")
+
+
+def operator_counters(port: int) -> Counter:
+    """The operator's child applies (by kind and why) and reconcile passes (by trigger and result), read from its
+    metrics endpoint, keyed "metric{label=value,...}"."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: Counter = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in COUNTED:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name.removeprefix('disagg_operator_').removesuffix('_total')}{{{labels}}}"] += \
+                    int(sample.value)
+    return out
+
+
+def counter_delta(after: Counter, before: Counter) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] - before.get(k, 0)}
+
+
 def _epoch(ts: str) -> float:
     return dt.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
 
@@ -203,6 +232,7 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--resync-seconds", type=float, default=60)
     p.add_argument("--out", type=Path, default=RESULTS / "operator_scale.json")
+    p.add_argument("--profile", type=Path, help="record the operator with py-spy during the burst (speedscope JSON)")
     args = p.parse_args()
 
     build.ensure_built(quiet=True)
@@ -247,6 +277,8 @@ def main() -> None:
         solo_created: dict[tuple[str, str], float] = {}
         created: dict[tuple[str, str], float] = {}
         marks: dict[str, float] = {"solo_from": time.time()}
+        counters: dict[str, Counter] = {}
+        profiler: list[subprocess.Popen] = []
 
         async def create(aclient: AsyncClient, manifest: dict, into: dict[tuple[str, str], float]) -> None:
             into[(manifest["metadata"]["namespace"], manifest["metadata"]["name"])] = time.monotonic()
@@ -263,6 +295,12 @@ def main() -> None:
                                     lambda k=key: f"solo {k[1]}: {len(obs.children.get(k, ()))}/"
                                                   f"{CHILDREN_PER_CR} children, Ready={k in obs.ready}")
                 print(f"solo: {args.solo} CRs applied one by one", file=sys.stderr, flush=True)
+                counters["solo"] = operator_counters(metrics_port)
+                if args.profile:
+                    profiler.append(subprocess.Popen(
+                        [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(operator.pid),
+                         "--format", "speedscope", "--output", str(args.profile), "--rate", "50"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 marks["burst_from"], t0 = time.time(), time.monotonic()
                 for i in range(args.crs):
                     await create(aclient, cr_manifest(i), created)
@@ -271,6 +309,10 @@ def main() -> None:
                                 lambda: f"{sum(k in obs.complete for k in created)} complete, "
                                         f"{sum(k in obs.ready for k in created)}/{args.crs} Ready")
                 marks["burst_to"] = time.time()
+                counters["burst"] = operator_counters(metrics_port)
+                for prof in profiler:
+                    prof.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                    prof.wait(60)
             finally:
                 await aclient.close()
 
@@ -292,6 +334,7 @@ def main() -> None:
         idle_from = time.time()
         time.sleep(args.resync_seconds + 5)
         idle = audit_counts(audit, USER, since=idle_from, until=time.time())
+        counters["idle"] = operator_counters(metrics_port)
         after = snapshot(client)
         changed = sorted(k for k in before if after.get(k) != before[k])
         all_crs = args.crs + args.solo
@@ -325,6 +368,8 @@ def main() -> None:
             "idle_objects_watched": len(before),
             "idle_requests_by_verb": by_verb(idle),
             "idle_requests_by_verb_and_resource": by_verb_and_resource(idle),
+            "burst_operator_counters": counter_delta(counters["burst"], counters["solo"]),
+            "idle_operator_counters": counter_delta(counters["idle"], counters["burst"]),
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(result_file.dumps(result) + "\n")
