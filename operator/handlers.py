@@ -2,7 +2,9 @@
 reconciler; nothing here builds objects.
 
 Triggers:
-- the CR is created, changed, or found at start-up (resume) → full pass (apply children, then status);
+- the CR is created, its spec changed, or it is found at start-up (resume) → full pass (apply children, then
+  status), retried after a refusal. Decided from the CR's own watch events and its generation
+  (generations.py), not kopf's change detection, which would write a copy of each spec into an annotation;
 - a child changed and it is not the echo of our own apply (a hand edit, a deletion) → full pass;
 - a child's status changed, or an engine pod's state changed → status pass;
 - the StatefulSet controller failed to create an engine pod (a FailedCreate Event on an engine StatefulSet) →
@@ -29,7 +31,7 @@ import copy
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict, cast
 
@@ -37,6 +39,7 @@ import kopf
 from pydantic import ValidationError
 
 from . import api, metrics, names
+from .generations import Generations
 from .meta import timestamp
 from .reconciler import ApplyFailed, Key, Reconciler
 from .status import (
@@ -248,7 +251,13 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
     transports: TransportPoller = memo.transports
     key = (namespace, name)
 
+    passes = 0
+
     async def one_pass(full: bool) -> None:
+        # Passes the coalescer runs again for triggers that arrived meanwhile are counted as "coalesced".
+        nonlocal passes
+        label = trigger if passes == 0 else "coalesced"
+        passes += 1
         store = dinf_index.get(key)
         entry: IndexedCR | None = next(iter(store), None) if store else None
         if entry is None or entry.deleting:
@@ -258,22 +267,22 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         t0 = time.monotonic()
         body, cr = entry.body, entry.cr
         if cr is None:
-            metrics.RECONCILES.labels(trigger=trigger, result="invalid").inc()
-            kopf.warn(body, reason="InvalidSpec", message=str(entry.error))
+            metrics.RECONCILES.labels(trigger=label, result="invalid").inc()
+            post_event(memo, kopf.warn, body, "InvalidSpec", str(entry.error))
             raise kopf.PermanentError(f"invalid spec: {entry.error}")
-        # The index can lag a deletion; applying then would recreate children the garbage collector is
-        # removing (owned by a deleted UID). Ask the apiserver before any pass that may create.
-        if full and not await reconciler.exists(namespace, name):
-            return
+        # Asked of the apiserver once, before this pass's first write, if it makes one (reconciler.StillThere).
+        still_there = reconciler.still_there(namespace, name)
         failed: ApplyFailed | None = None
         if full:
             try:
-                outcome = await reconciler.apply_children(cr, thorough=trigger == "resync")
+                outcome = await reconciler.apply_children(cr, thorough=label == "resync", still_there=still_there)
             except ApplyFailed as e:
                 if e.code == 403 and "being terminated" in str(e):
                     return  # the namespace is going away with the CR in it; nothing to converge to
                 failed = e
             else:
+                if outcome.gone:
+                    return
                 for ref in outcome.created:
                     metrics.CHILD_WRITES.labels(kind=ref.split("/")[0], change="created").inc()
                 for ref in outcome.updated:
@@ -295,11 +304,15 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
 
             try:
                 rollout = await reconciler.advance_rollout(cr, statefulsets, list(engine_pod_index.get(key) or ()),
-                                                           report, post, thorough=trigger == "resync")
+                                                           report, post, thorough=label == "resync",
+                                                           still_there=still_there)
             except ApplyFailed as e:
                 if e.code == 403 and "being terminated" in str(e):
                     return
                 failed = e
+            else:
+                if rollout is None:
+                    return  # deleted meanwhile
         # A refused child stays in Degraded (reconciler.apply_error) until a full pass applies every child.
         revision = rollout.revision if rollout else reconciler.revision(cr)  # rendering both templates costs
         observed = observe(namespace, name, revision, statefulsets, deploy_index, pod_problem_index, report,
@@ -315,10 +328,10 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
             kind, reason, message = event
             post_event(memo, kopf.warn if kind == "Warning" else kopf.info, body, reason, message)
         if failed is not None:
-            metrics.RECONCILES.labels(trigger=trigger, result="error").inc()
-            kopf.exception(body, reason="ApplyFailed", message=str(failed))
+            metrics.RECONCILES.labels(trigger=label, result="error").inc()
+            post_event(memo, kopf.exception, body, "ApplyFailed", str(failed))
             raise kopf.TemporaryError(str(failed), delay=10 if failed.code != 403 else 60)
-        metrics.RECONCILES.labels(trigger=trigger, result="ok").inc()
+        metrics.RECONCILES.labels(trigger=label, result="ok").inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - t0)
 
     await reconciler.coalescer.run((namespace, name), full, one_pass)
@@ -350,14 +363,66 @@ def _first_error(e: ValidationError) -> str:
     return f"spec.{'.'.join(str(p) for p in err['loc'] if p != 'spec')}: {err['msg']}"
 
 
-@kopf.on.resume(*CR)
-@kopf.on.create(*CR)
-@kopf.on.update(*CR, field="spec")
-async def dinf_changed(namespace: str | None, name: str, memo: kopf.Memo, logger: kopf.Logger, reason: str,
-                       **kw: Any) -> None:
+@kopf.on.event(*CR, id="dinf")
+async def dinf_event(type: str | None, namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo,
+                     logger: kopf.Logger, **kw: Any) -> None:
+    """A full pass for each generation of a CR (generations.py); its DELETED event removes its binding."""
     if namespace is None:
         return
-    await run_pass(memo, namespace, name, full=True, trigger=str(reason), logger=logger, **_indexes(memo, kw))
+    key = (namespace, name)
+    generations: Generations = memo.generations
+    if type == "DELETED":
+        generations.forget(key)
+        memo.retries.cancel(key)
+        await collect_bindings(memo, logger, only=key)
+        return
+    meta = body.metadata
+    trigger = generations.trigger(key, type, str(meta.get("uid") or ""), int(meta.get("generation") or 0))
+    if trigger is not None:
+        await full_pass(memo, key, trigger, logger, _indexes(memo, kw))
+
+
+async def full_pass(memo: kopf.Memo, key: Key, trigger: str, logger: kopf.Logger, indexes: Indexes) -> None:
+    """A full pass for the CR's own change, retried after a refusal (10 s; 60 s when forbidden) until one
+    succeeds or a later change or the CR's deletion supersedes it. An invalid spec is not retried: its next
+    generation is."""
+    retries: Retries = memo.retries
+    retries.cancel(key)
+    try:
+        await run_pass(memo, *key, full=True, trigger=trigger, logger=logger, **indexes)
+    except kopf.TemporaryError as e:
+        logger.warning(f"{key[0]}/{key[1]}: {e}; retrying in {e.delay:.0f}s")
+        retries.later(key, e.delay or 10, lambda: full_pass(memo, key, "retry", logger, indexes))
+    except kopf.PermanentError as e:
+        logger.error(f"{key[0]}/{key[1]}: {e}")
+
+
+class Retries:
+    """At most one pending retry per CR: scheduling one cancels the one before."""
+
+    def __init__(self) -> None:
+        self._timers: dict[Key, asyncio.TimerHandle] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # running retries (the loop keeps only weak references)
+
+    def later(self, key: Key, delay: float, retry: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        self.cancel(key)
+        loop = asyncio.get_running_loop()
+
+        def start() -> None:
+            self._timers.pop(key, None)
+            task = loop.create_task(retry())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._timers[key] = loop.call_later(delay, start)
+
+    def cancel(self, key: Key) -> None:
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+
+    def pending(self) -> set[Key]:
+        return set(self._timers)
 
 
 def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> Indexes:
@@ -395,17 +460,14 @@ async def collect_bindings(memo: kopf.Memo, logger: kopf.Logger, only: Key | Non
         logger.warning(f"removing rendezvous ClusterRoleBindings of deleted CRs failed: {e}")
 
 
-@kopf.on.event(*CR, id="dinf-deleted")
-async def dinf_deleted(type: str | None, namespace: str | None, name: str, memo: kopf.Memo, logger: kopf.Logger,
-                       **_: Any) -> None:
-    if type == "DELETED" and namespace is not None:
-        await collect_bindings(memo, logger, only=(namespace, name))
-
-
 async def resync_forever(memo: kopf.Memo, logger: kopf.Logger) -> None:
     while True:
         await asyncio.sleep(RESYNC_SECONDS)
         await collect_bindings(memo, logger)
+        try:
+            await memo.reconciler.observe_unwatched()
+        except Exception as e:  # then the passes verify those children by applying them, as without a listing
+            logger.warning(f"listing the rendezvous' ServiceAccounts and ClusterRoleBindings failed: {e}")
         indexes = _saved_indexes(memo)
         if not indexes:
             metrics.RESYNC_ROUNDS.inc()

@@ -22,7 +22,9 @@ from typing import Any
 from lightkube import AsyncClient, codecs
 from lightkube.core.exceptions import ApiError
 from lightkube.core.resource import GlobalResource
-from lightkube.resources.core_v1 import Secret
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Secret, ServiceAccount
+from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 from lightkube.types import PatchType
 
 from . import api, metrics, names
@@ -31,7 +33,7 @@ from .builders import OperatorImages, build_children, endpoint_url, engine_revis
 from .meta import FIELD_MANAGER, object_meta
 from .meta import cr_name as meta_name
 from .meta import namespace_of as meta_namespace
-from .plan import Applied, ApplyPlan, ChildKey, child_marker, digest, plan_children
+from .plan import Applied, ApplyPlan, ChildKey, child_key, child_marker, digest, plan_children
 from .rollout import revisions
 from .rollout.state import RevisionState, Role, RoleState
 from .rollout_executor import EventFn, RolloutExecutor, RolloutFailed, summary
@@ -53,6 +55,23 @@ class ApplyOutcome:
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     unchanged: int = 0
+    gone: bool = False  # the CR was found deleted before the first write: nothing was applied
+
+
+class StillThere:
+    """Whether the CR still exists, asked of the apiserver at most once per pass and only before a write.
+
+    The watch index can lag a deletion; a write then would recreate children the garbage collector is removing
+    (owned by a deleted UID). A pass that writes nothing needs no answer, so it costs no request."""
+
+    def __init__(self, ask: Callable[[], Awaitable[bool]]) -> None:
+        self._ask = ask
+        self._answer: bool | None = None
+
+    async def __call__(self) -> bool:
+        if self._answer is None:
+            self._answer = await self._ask()
+        return self._answer
 
 
 def _now() -> str:
@@ -109,14 +128,19 @@ class Reconciler:
         self.bindings = BindingCollector(client, self.namespaces, self.log)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
         self._apply_errors: dict[Key, str] = {}  # CRs whose last full pass had a child refused, and why
-        self.rollout = RolloutExecutor(client, self._apply, self.log)
+        self.rollout = RolloutExecutor(client, self._apply_recorded, self.log)
 
     # -- children ----------------------------------------------------------------------------------------
-    async def apply_children(self, cr: api.DisaggregatedInference, thorough: bool = False) -> ApplyOutcome:
-        """Apply every child; remember a refusal (`apply_error`) until a later pass applies them all."""
+    def still_there(self, namespace: str, name: str) -> StillThere:
+        return StillThere(lambda: self.exists(namespace, name))
+
+    async def apply_children(self, cr: api.DisaggregatedInference, thorough: bool = False,
+                             still_there: StillThere | None = None) -> ApplyOutcome:
+        """Apply every child, unless `still_there` finds the CR deleted before the first write (`gone`); remember a
+        refusal (`apply_error`) until a later pass applies them all."""
         key = (meta_namespace(cr), meta_name(cr))
         try:
-            outcome = await self._apply_children(cr, thorough)
+            outcome = await self._apply_children(cr, thorough, still_there or self.still_there(*key))
         except ApplyFailed as e:
             self._apply_errors[key] = str(e)
             raise
@@ -127,16 +151,21 @@ class Reconciler:
         """Why the last full pass of this CR could not apply a child (the apiserver's message), or None."""
         return self._apply_errors.get(key)
 
-    async def _apply_children(self, cr: api.DisaggregatedInference, thorough: bool) -> ApplyOutcome:
+    async def _apply_children(self, cr: api.DisaggregatedInference, thorough: bool,
+                              still_there: StillThere) -> ApplyOutcome:
         outcome = ApplyOutcome()
-        if cr.spec.rendezvous.auth == "token":
+        plan = plan_children(build_children(cr, images=self.images, statefulsets=False), self.applied, self._drifted,
+                             thorough, self._watched)
+        token = cr.spec.rendezvous.auth == "token"
+        if (plan.to_apply or (token and self.token_secret_unverified(cr, thorough))) and not await still_there():
+            outcome.gone = True
+            return outcome
+        if token:
             if await self.ensure_token_secret(cr, verify=thorough):
                 outcome.created.append(f"Secret/{names.rendezvous_token_secret(meta_name(cr))}")
             binding = names.rendezvous_binding_name(meta_namespace(cr), meta_name(cr))
             if ("ClusterRoleBinding", "", binding) in self.applied:  # switched from kubernetes: revoke it now
                 await self.collect_bindings(only=(meta_namespace(cr), meta_name(cr)))
-        plan = plan_children(build_children(cr, images=self.images, statefulsets=False), self.applied, self._drifted,
-                             thorough, self._watched)
         await self._apply_plan(plan, outcome)
         return outcome
 
@@ -174,10 +203,12 @@ class Reconciler:
     # -- the engines' rollout ------------------------------------------------------------------------------
     async def advance_rollout(self, cr: api.DisaggregatedInference, statefulsets: list[dict[str, Any]],
                               pods: list[dict[str, Any]], report: TransportReport | None, event: EventFn,
-                              thorough: bool = False) -> RolloutView:
+                              thorough: bool = False, still_there: StillThere | None = None) -> RolloutView | None:
         """Observe the engines' revisions, repair the current revision's StatefulSets if they drifted, and take
-        at most one rollout step (rollout_executor.py). Raises ApplyFailed when a write is refused."""
+        at most one rollout step (rollout_executor.py). Returns None when `still_there` finds the CR deleted
+        before a write. Raises ApplyFailed when a write is refused."""
         key = (meta_namespace(cr), meta_name(cr))
+        still_there = still_there or self.still_there(*key)
         revision = self.revision(cr)
         advertised: dict[str, str] | None = None
         if cr.spec.uses_plugin:
@@ -190,10 +221,10 @@ class Reconciler:
             return engine_statefulset(cr, role, self.images, revision, replicas)
 
         try:
-            if self.rollout.caught_up(key, statefulsets):
-                await self._repair_current(key, sets, revision, build, thorough)
-            result = await self.rollout.advance(key, observed, sets, policy, build, statefulsets, event,
-                                                lambda: self.exists(*key))
+            if self.rollout.caught_up(key, statefulsets) and \
+                    not await self._repair_current(key, sets, revision, build, thorough, still_there):
+                return None
+            result = await self.rollout.advance(key, observed, sets, policy, build, statefulsets, event, still_there)
         except RolloutFailed as e:
             raise ApplyFailed(str(e), e.code) from e
         reason, message = summary(result.plan)
@@ -207,26 +238,34 @@ class Reconciler:
         return engine_revision(cr, self.images)
 
     async def _repair_current(self, key: Key, sets: list[revisions.RevisionSets], revision: str,
-                              build: Callable[[Role, int], dict[str, Any]], thorough: bool) -> None:
+                              build: Callable[[Role, int], dict[str, Any]], thorough: bool,
+                              still_there: StillThere) -> bool:
         """Apply the current revision's StatefulSets at the replicas they have when this process has not applied
         them yet, they changed under it, or on a thorough pass: the planner only writes them to change
-        replicas."""
+        replicas. Returns False when the CR was found deleted before the first write."""
         current = next((r for r in sets if r.name == revision), None)
         if current is None:
-            return
+            return True
         desired = [build(role, int((sts.get("spec") or {}).get("replicas") or 0))
                    for role, sts in current.statefulsets.items()]
         plan = plan_children(desired, self.applied, self._drifted, thorough, self._watched)
+        if plan.to_apply and not await still_there():
+            return False
         await self._apply_plan(plan, ApplyOutcome())
         for step in plan.to_apply:
             self.rollout.expect(key, step.key[2], self.applied[step.key].marker)
+        return True
+
+    def token_secret_unverified(self, cr: api.DisaggregatedInference, verify: bool) -> bool:
+        """Whether `ensure_token_secret` would send a request."""
+        return verify or cr.metadata.get("uid", "") not in self._token_secrets
 
     async def ensure_token_secret(self, cr: api.DisaggregatedInference, verify: bool) -> bool:
         """Create the rendezvous token Secret once. Not server-side applied: its value is random and must
         survive every later pass, so only its absence is repaired (checked on the first pass for a CR and on
         every resync, so ordinary passes cost no request). Returns whether it was created."""
         uid = cr.metadata.get("uid", "")
-        if uid in self._token_secrets and not verify:
+        if not self.token_secret_unverified(cr, verify):
             return False
         meta = object_meta(cr, names.rendezvous_token_secret(meta_name(cr)), names.RENDEZVOUS)
         secret = Secret(metadata=codecs.from_dict({"apiVersion": "v1", "kind": "Secret", "metadata": meta}).metadata,
@@ -251,6 +290,15 @@ class Reconciler:
             self.applied.pop(("ClusterRoleBinding", "", name), None)
         return deleted
 
+    async def _apply_recorded(self, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """`_apply`, remembered as the plan's own applies are: the rollout's writes of the StatefulSets it creates
+        are then neither applied again by the next pass's repair nor taken for drift when the watch echoes them."""
+        stored, created = await self._apply(obj)
+        key = child_key(obj)
+        self._drifted.discard(key)
+        self.applied[key] = Applied(digest(obj), child_marker(stored))
+        return stored, created
+
     async def _apply(self, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Server-side apply with force. Returns what the apiserver stored and whether this apply created it."""
         resource = codecs.from_dict(obj)
@@ -274,7 +322,8 @@ class Reconciler:
 
     async def _server_side_apply(self, resource: Any) -> tuple[dict[str, Any], bool]:
         """lightkube's apply, on its generic client (same connection, same credentials), keeping the one thing
-        lightkube drops: the status code. An apply that creates the object answers 201 Created."""
+        lightkube drops: the status code. An apply that creates the object answers 201 Created. The stored object
+        is returned as the apiserver sent it: lightkube's model of it would only be turned back into a dict."""
         generic = self.client._client
         request = generic.prepare_request(
             "patch", res=type(resource), obj=resource, name=resource.metadata.name,
@@ -282,12 +331,47 @@ class Reconciler:
             headers={"Content-Type": PatchType.APPLY.value}, params={"force": "true", "fieldManager": FIELD_MANAGER})
         # What generic.send does (it is unannotated), on the httpx client it wraps.
         response = await generic._client.send(generic.build_adapter_request(request))
-        result = generic.handle_response("patch", response, request)
-        return (result.to_dict() if hasattr(result, "to_dict") else dict(result)), response.status_code == 201
+        if response.is_error:
+            generic.handle_response("patch", response, request)  # raises the ApiError lightkube would
+        stored: dict[str, Any] = response.json()
+        return stored, response.status_code == 201
 
     async def exists(self, namespace: str, name: str) -> bool:
         """Ask the apiserver, not the watch cache: a deletion may not have reached our index yet."""
         return await live_cr(self.client, namespace, name) is not None
+
+    async def observe_unwatched(self) -> None:
+        """List the children no watch shows (the rendezvous' ServiceAccounts and ClusterRoleBindings, auth
+        kubernetes) and note what the listing shows of each, as a watch event would: a thorough pass then
+        confirms them against the listing instead of applying each one. A child we applied that the listing
+        lacks is noted as unseen, so the pass applies it; a listing refused (403) leaves the notes as they were."""
+        selector: dict[str, Any] = {names.LABEL_MANAGED_BY: names.MANAGED_BY, names.LABEL_COMPONENT: names.RENDEZVOUS}
+
+        async def accounts() -> list[ObjectMeta | None]:
+            scopes = sorted(self.namespaces) if self.namespaces else ["*"]
+            return [sa.metadata for ns in scopes
+                    async for sa in self.client.list(ServiceAccount, namespace=ns, labels=selector)]
+
+        async def bindings() -> list[ObjectMeta | None]:
+            return [b.metadata async for b in self.client.list(ClusterRoleBinding, labels=selector)]
+
+        for kind, listing in (("ServiceAccount", accounts), ("ClusterRoleBinding", bindings)):
+            t0 = time.monotonic()
+            try:
+                metas = await listing()
+            except ApiError as e:
+                if e.status.code != 403:
+                    metrics.API_ERRORS.labels(kind=kind, verb="list").inc()
+                    raise
+                continue
+            finally:
+                metrics.API_SECONDS.labels(verb="list").observe(time.monotonic() - t0)
+            seen = {(kind, m.namespace or "", m.name): child_marker(
+                {"metadata": {"generation": m.generation, "resourceVersion": m.resourceVersion}})
+                for m in metas if m is not None and m.name}
+            for key in [k for k in self._watched if k[0] == kind and k not in seen]:
+                del self._watched[key]
+            self._watched.update(seen)
 
     def is_own_echo(self, kind: str, body: Mapping[str, Any]) -> bool:
         """Whether a watch event on a child shows exactly what our last apply of it produced."""

@@ -58,6 +58,8 @@ def main(args: argparse.Namespace) -> None:
 
     os.environ["DISAGG_RESYNC_SECONDS"] = str(args.resync_seconds)
     from . import handlers  # noqa: F401  (registers the handlers with kopf's default registry)
+    from .generations import Generations
+    from .no_diffbase import NoDiffBase
     from .reconciler import Reconciler
     from .transport import TransportPoller, check_template
 
@@ -80,10 +82,9 @@ def main(args: argparse.Namespace) -> None:
 
     @kopf.on.startup()
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-        # Keep kopf's bookkeeping in annotations under our prefix, never in .status (which we own).
+        # kopf's bookkeeping, if a handler ever needs some: annotations under our prefix, never .status (ours).
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="serving.disagg.io")
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="serving.disagg.io", key="last-handled-configuration")
+        settings.persistence.diffbase_storage = NoDiffBase()  # the CR's changes: Generations, not a diff
         settings.posting.level = logging.INFO
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 30
@@ -91,6 +92,8 @@ def main(args: argparse.Namespace) -> None:
         # server, so the operator never receives the cluster's other Events.
         settings.watching.field_selectors[("", "v1", "events")] = handlers.STATEFULSET_EVENTS
         memo.shared = {}
+        memo.generations = Generations()
+        memo.retries = handlers.Retries()
         memo.reconciler = Reconciler(AsyncClient(KubeConfig.from_env()), images, namespaces=args.namespace,
                                      max_concurrent_passes=args.max_concurrent_passes)
         transport_log = logging.getLogger("disagg.transport")

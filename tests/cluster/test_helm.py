@@ -167,7 +167,7 @@ def test_token_review_grants_exactly_what_auth_kubernetes_needs(args):
     assert {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterrolebindings"],
             "verbs": ["list", "create", "patch", "delete"]} in cluster_rules
     namespaced = rules_of(objs, "Role") if args else cluster_rules
-    assert {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["create", "patch"]} in namespaced
+    assert {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["list", "create", "patch"]} in namespaced
     assert not [r for r in cluster_rules + rules_of(objs, "Role") if "tokenreviews" in r["resources"]], \
         "the rendezvous sends TokenReviews as its own ServiceAccount, never the operator"
 

@@ -8,12 +8,14 @@ import pytest
 import yaml
 from lightkube import codecs
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
-from lightkube.resources.core_v1 import ConfigMap, Event, Node, PersistentVolume, Pod, Service
+from lightkube.resources.core_v1 import ConfigMap, Event, Node, PersistentVolume, Pod, Service, ServiceAccount
 from lightkube.resources.policy_v1 import PodDisruptionBudget
+from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 from lightkube.types import PatchType
 
 from disagg.devcluster import fleet
 from disagg.operator.handlers import CHILD_KINDS as WATCHED_KINDS
+from disagg.operator.names import rendezvous_binding_name
 from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
 from support.dinf import Dinf, cond, create, engine_pod_name, engine_sts, is_ready, revision, small
 from support.kube import watch_list_until, watch_until
@@ -23,6 +25,7 @@ pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD_KINDS = (StatefulSet, Deployment, Service, ConfigMap, PodDisruptionBudget)
+UNWATCHED_KINDS = ("ServiceAccount", "ClusterRoleBinding")
 
 
 @pytest.fixture(scope="module")
@@ -187,15 +190,34 @@ def test_noop_resync_writes_nothing(cluster, operator, namespace):
     resyncs = operator.metric("disagg_operator_reconciles_total", trigger="resync", result="ok")
     def applies(kind: str) -> float:
         return operator.metric("disagg_operator_child_applies_total", kind=kind)
-    before_applies = {kind: applies(kind) for kind in (*WATCHED_KINDS, "ServiceAccount")}
+    kinds = (*WATCHED_KINDS, *UNWATCHED_KINDS)
+    before_applies = {kind: applies(kind) for kind in kinds}
     operator.await_quiet(rounds=2)
     assert operator.metric("disagg_operator_reconciles_total", trigger="resync", result="ok") >= resyncs + 2
     assert children(cluster, namespace, name) == before
-    # The watch already shows every watched child as our last apply left it: the resyncs send no request for
-    # them. The ServiceAccount is not watched, so each resync still verifies it by applying it.
-    assert {kind: applies(kind) for kind in WATCHED_KINDS} == {kind: before_applies[kind] for kind in WATCHED_KINDS}
-    assert applies("ServiceAccount") >= before_applies["ServiceAccount"] + 2
+    # The watch already shows every watched child as our last apply left it, and each round's listing shows the
+    # rendezvous' ServiceAccount and ClusterRoleBinding so: the resyncs apply nothing.
+    assert {kind: applies(kind) for kind in kinds} == before_applies
     assert cluster.client.get(Dinf, name, namespace=namespace).metadata.resourceVersion == cr_rv
+
+
+def test_the_resync_repairs_the_rendezvous_identity_its_listing_shows_changed(cluster, operator, namespace):
+    """The ServiceAccount and ClusterRoleBinding are not watched: the resync lists them, and applies the ones
+    the listing shows deleted or changed since our apply."""
+    name = create(cluster, namespace, small("ident"))
+    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
+    account, binding = f"{name}-rendezvous", rendezvous_binding_name(namespace, name)
+    watch_until(cluster, ClusterRoleBinding, binding, lambda b: True, timeout=30, what="binding")
+    operator.await_quiet()
+    old = cluster.client.get(ServiceAccount, account, namespace=namespace).metadata.uid
+    cluster.client.delete(ServiceAccount, account, namespace=namespace)
+    cluster.client.patch(ClusterRoleBinding, binding, {"subjects": [
+        {"kind": "ServiceAccount", "name": "someone-else", "namespace": namespace}]}, patch_type=PatchType.MERGE)
+    watch_until(cluster, ServiceAccount, account, lambda sa: sa.metadata.uid != old, namespace=namespace,
+                timeout=30, what="ServiceAccount recreated by the resync")
+    restored = watch_until(cluster, ClusterRoleBinding, binding, lambda b: b.subjects[0].name == account,
+                           timeout=30, what="binding's subject put back by the resync")
+    assert restored.subjects[0].namespace == namespace
 
 
 def test_events_name_what_was_created(cluster, operator, namespace):

@@ -107,6 +107,38 @@ def test_a_deleted_child_is_a_change_even_when_its_last_state_was_our_echo():
     assert ("Service", "ml", "m-router") in r._drifted
 
 
+async def still_there(namespace: str, name: str) -> bool:
+    return True
+
+
+def test_the_apiserver_is_asked_whether_the_cr_exists_once_per_pass_and_only_before_a_write():
+    """The watch can lag a deletion, so a pass asks before writing; a pass that writes nothing asks nothing, and a
+    CR found gone gets no write at all."""
+    r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
+    asked: list[str] = []
+    applied: list[str] = []
+    answer = True
+
+    async def exists(namespace: str, name: str) -> bool:
+        asked.append(name)
+        return answer
+
+    async def apply(obj):
+        applied.append(obj["metadata"]["name"])
+        return {**obj, "metadata": {**obj["metadata"], "generation": 1, "resourceVersion": "1"}}, True
+
+    r.exists = exists  # type: ignore[method-assign]
+    r._apply = apply  # type: ignore[method-assign]
+    answer = False
+    gone = asyncio.run(r.apply_children(cr()))
+    assert gone.gone and applied == [] and asked == ["m"], "a CR found deleted gets no child"
+    answer, asked[:] = True, []
+    first = asyncio.run(r.apply_children(cr()))
+    assert not first.gone and len(applied) == len(first.created) > 1 and asked == ["m"], "one question per pass"
+    asked.clear()
+    assert asyncio.run(r.apply_children(cr())).unchanged and asked == [], "a pass that writes nothing asks nothing"
+
+
 def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserver():
     """The executor with its one cluster call replaced: created is what the apiserver said (201), not a clock."""
     r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
@@ -126,6 +158,7 @@ def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserve
         return answer, created
 
     r._apply = apply  # type: ignore[method-assign]
+    r.exists = still_there  # type: ignore[method-assign]
     support = build_children(cr(), statefulsets=False)  # the engine StatefulSets are the rollout's to write
     assert len(support) == len(DESIRED) - 2
     first = asyncio.run(r.apply_children(cr()))
@@ -150,4 +183,22 @@ def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserve
     # A restarted operator knows nothing: it applies everything, and reports nothing as created.
     fresh = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
     fresh._apply = apply  # type: ignore[method-assign]
+    fresh.exists = still_there  # type: ignore[method-assign]
     assert asyncio.run(fresh.apply_children(cr(decode={"replicas": 3}))).created == []
+
+
+def test_a_statefulset_the_rollout_created_is_neither_applied_again_nor_its_echo_taken_for_drift():
+    r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
+    sent: list[str] = []
+
+    async def apply(obj):
+        sent.append(obj["metadata"]["name"])
+        return {**obj, "metadata": {**obj["metadata"], "generation": 1, "resourceVersion": "7"}}, True
+
+    r._apply = apply  # type: ignore[method-assign]
+    [sts, *_] = [o for o in DESIRED if o["kind"] == "StatefulSet"]
+    stored, created = asyncio.run(r.rollout._apply(sts))
+    assert created and sent == [sts["metadata"]["name"]]
+    assert not r.child_changed("StatefulSet", stored), "the watch's echo of the rollout's own write"
+    assert plan_children([sts], r.applied, r._drifted, thorough=True, watched=r._watched).to_apply == (), \
+        "the repair of the current revision finds nothing to apply"

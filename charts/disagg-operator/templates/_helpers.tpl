@@ -87,11 +87,11 @@ here deletes (owner references let the garbage collector remove children) and no
 delete the operator holds is on its rendezvous ClusterRoleBindings, in clusterRules below.
 */}}
 {{- define "disagg-operator.namespacedRules" -}}
-# DisaggregatedInference: kopf lists and watches it and patches its annotations (kopf's progress and diff-base
-# storage); the reconciler reads one before recreating a deleted child (get).
+# DisaggregatedInference: kopf lists and watches it (the operator has no handler that needs kopf's annotations);
+# the reconciler reads one before recreating a deleted child (get).
 - apiGroups: ["serving.disagg.io"]
   resources: ["disaggregatedinferences"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch"]
 # The reconciler publishes conditions, counts and the endpoint through the status subresource.
 - apiGroups: ["serving.disagg.io"]
   resources: ["disaggregatedinferences/status"]
@@ -128,10 +128,11 @@ delete the operator holds is on its rendezvous ClusterRoleBindings, in clusterRu
   verbs: ["create"]
 {{- if .Values.rbac.tokenReview }}
 # spec.rendezvous.auth: kubernetes (the default): each DisaggregatedInference's rendezvous runs as its own
-# ServiceAccount, server-side applied and owned by the CR (the garbage collector removes it).
+# ServiceAccount, server-side applied and owned by the CR (the garbage collector removes it). Listed once per
+# resync round, so the resync confirms them against the listing instead of applying each one.
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["create", "patch"]
+  verbs: ["list", "create", "patch"]
 {{- end }}
 # Engine pods: watched for failed preflight checks, restarts and failed scheduling (Degraded condition). Never
 # written.
