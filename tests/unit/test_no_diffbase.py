@@ -1,0 +1,21 @@
+"""The operator runs kopf with an empty diff base (operator/no_diffbase.py): sound only while no handler needs one."""
+from __future__ import annotations
+
+import kopf
+
+import disagg.operator.handlers  # noqa: F401  (registers the operator's handlers with kopf's default registry)
+from disagg.operator.no_diffbase import NoDiffBase
+
+
+def test_no_handler_reads_the_diff_base():
+    registry = kopf.get_default_registry()
+    changing = [h.id for h in registry._changing.get_all_handlers()]
+    assert changing == [], f"changing handlers need kopf's diff base; run.py replaces it with NoDiffBase: {changing}"
+    assert [h.id for h in registry._watching.get_all_handlers()], "the operator's handlers were not registered"
+
+
+def test_the_empty_diff_base_shows_no_change():
+    body = kopf.Body({"metadata": {"name": "m", "annotations": {"a": "b"}}, "spec": {"x": 1}})
+    storage = NoDiffBase()
+    assert storage.fetch(body=body) is None
+    assert storage.build(body=body) == {}
