@@ -155,8 +155,16 @@ def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
               name, None, None, n)
     # issue 15: 100 CRs Ready within 30 s, and 1,000 (on 2,000 nodes) within 120 s.
     ready_goal = 30 if d.get("crs", 0) <= 100 else 120
-    yield Row("operator_scale", "all CRs Ready", d.get("all_ready_seconds"), "s", name, None,
-              Goal("<", ready_goal, "issue 15"), n)
+    if d.get("all_ready_seconds") is None and "ready_crs" in d:
+        yield Row("operator_scale", "CRs Ready when the bench gave up", d["ready_crs"], "CRs", name, None,
+                  Goal("==", d.get("crs", 0), f"all within {ready_goal} s: issue 15"),
+                  f"after {d.get('timeout_seconds')} s; {n}")
+    else:
+        yield Row("operator_scale", "all CRs Ready", d.get("all_ready_seconds"), "s", name, None,
+                  Goal("<", ready_goal, "issue 15"), n)
+    if d.get("created_all_seconds") is not None:
+        yield Row("operator_scale", "the bench's creates alone", d["created_all_seconds"], "s", name, None, None,
+                  f"{d.get('create_concurrency', 1)} at a time")
     yield Row("operator_scale", "operator API requests per CR", d.get("operator_requests_per_cr"), "requests",
               name, None, None, n)
     yield Row("operator_scale", "operator peak RSS", d.get("operator_peak_rss_mib"), "MiB", name, None,

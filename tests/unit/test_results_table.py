@@ -110,3 +110,20 @@ def test_kv_realistic_busy_decode_goals_are_judged_cell_by_cell_on_sustained_rat
     assert unsustained and all(r.goal is None and "not sustained" in r.n for r in unsustained)
     ttft = next(r for r in rows if r.measure == "push / pull TTFT, decode busy (no router), 256tok@1/s, p50")
     assert (ttft.met, ttft.n) == (True, "100 requests")
+
+
+def operator_scale_result(crs: int, ready: int) -> dict:
+    return {"benchmark": "operator_scale", "crs": crs, "nodes": 2 * crs, "solo_crs": 0,
+            "children_exist_seconds": {"p99": 50.0}, "ready_crs": ready, "timeout_seconds": 600.0,
+            "all_ready_seconds": 100.0 if ready == crs else None, "created_all_seconds": 20.0,
+            "create_concurrency": 8, "operator_peak_rss_mib": 200}
+
+
+def test_a_burst_the_bench_gave_up_on_fails_its_ready_goal(bench):
+    _, table = bench
+    done, given_up = (table.rows({"operator_scale.json": operator_scale_result(1000, n)}) for n in (1000, 990))
+    ready = next(r for r in done if r.measure == "all CRs Ready")
+    assert (ready.value, ready.met) == (100.0, True), "1,000 CRs have 120 s"
+    gave_up = next(r for r in given_up if r.measure == "CRs Ready when the bench gave up")
+    assert (gave_up.value, gave_up.met) == (990, False)
+    assert not any(r.measure == "all CRs Ready" for r in given_up)
