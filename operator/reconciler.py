@@ -174,11 +174,10 @@ class Reconciler:
         for step in plan.to_apply:
             kind, ns, name = step.key
             before = self.applied.get(step.key)
-            self._drifted.discard(step.key)
             metrics.CHILD_APPLIES.labels(kind=kind, why=step.why).inc()
             t0 = time.monotonic()
             try:
-                after_obj, created = await self._apply(step.obj)
+                after_obj, created = await self._apply_recorded(step.obj)
             except ApiError as e:
                 self._drifted.add(step.key)  # still to be applied
                 metrics.API_ERRORS.labels(kind=kind, verb="apply").inc()
@@ -192,7 +191,6 @@ class Reconciler:
             finally:
                 metrics.API_SECONDS.labels(verb="apply").observe(time.monotonic() - t0)
             after = child_marker(after_obj)
-            self.applied[step.key] = Applied(digest(step.obj), after)
             if created:
                 outcome.created.append(f"{kind}/{name}")
             elif before is not None and before.marker != after:
@@ -291,11 +289,11 @@ class Reconciler:
         return deleted
 
     async def _apply_recorded(self, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-        """`_apply`, remembered as the plan's own applies are: the rollout's writes of the StatefulSets it creates
-        are then neither applied again by the next pass's repair nor taken for drift when the watch echoes them."""
-        stored, created = await self._apply(obj)
+        """`_apply`, remembered: a later plan skips the child while it is unchanged, and the watch's echo of this
+        write is not taken for drift. The plan's applies and the rollout's both go through here."""
         key = child_key(obj)
-        self._drifted.discard(key)
+        self._drifted.discard(key)  # before the write: a change seen while it is under way is still drift
+        stored, created = await self._apply(obj)
         self.applied[key] = Applied(digest(obj), child_marker(stored))
         return stored, created
 
