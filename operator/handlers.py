@@ -189,9 +189,6 @@ def pod_problem_index(namespace: str | None, labels: kopf.Labels, body: kopf.Bod
     return {(namespace, labels.get(INSTANCE, "")): tuple(problems)} if problems else None
 
 
-STATEFULSET_EVENTS = "involvedObject.kind=StatefulSet"  # the server-side field selector on Events (run.py)
-
-
 def _event_time(body: Mapping[str, Any]) -> float:
     """When an Event last happened: its series' last observation, else lastTimestamp, else eventTime, else its
     creation."""

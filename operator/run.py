@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> None:
     from .builders import OperatorImages
 
     os.environ["DISAGG_RESYNC_SECONDS"] = str(args.resync_seconds)
-    from . import handlers  # noqa: F401  (registers the handlers with kopf's default registry)
+    from . import handlers, watch_selectors  # handlers: registers the handlers with kopf's default registry
     from .generations import Generations
     from .no_diffbase import NoDiffBase
     from .reconciler import Reconciler
@@ -88,9 +88,9 @@ def main(args: argparse.Namespace) -> None:
         settings.posting.level = logging.INFO
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 30
-        # Of all Events, only the StatefulSet controller's are read (FailedCreate: Degraded); filter them on the
-        # server, so the operator never receives the cluster's other Events.
-        settings.watching.field_selectors[("", "v1", "events")] = handlers.STATEFULSET_EVENTS
+        # The handlers' label and field filters, asked of the apiserver too: the operator never receives (nor
+        # decodes) the cluster's other pods, Events, Services... (watch_selectors.py).
+        watch_selectors.configure(settings, watch_selectors.derive(kopf.get_default_registry()))
         memo.shared = {}
         memo.generations = Generations()
         memo.retries = handlers.Retries()
