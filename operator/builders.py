@@ -31,7 +31,7 @@ __all__ = ["DEFAULT_OPERATOR_IMAGE", "OperatorImages", "build_children", "endpoi
 
 
 def build_children(cr: DisaggregatedInference, *, images: OperatorImages = DEFAULT_IMAGES,
-                   statefulsets: bool = True) -> list[dict[str, Any]]:
+                   statefulsets: bool = True, revision: str | None = None) -> list[dict[str, Any]]:
     """All children in apply order: the current revision's launch ConfigMap, rendezvous, engines per role, then
     the router. With `spec.rendezvous.auth: kubernetes` the rendezvous' ServiceAccount and its
     ClusterRoleBinding (cluster-scoped, so not owned by the CR) come before its Deployment; with `token` the
@@ -39,8 +39,8 @@ def build_children(cr: DisaggregatedInference, *, images: OperatorImages = DEFAU
 
     The engine StatefulSets are the current revision's at the spec's replicas (what `disagg render` shows);
     `statefulsets=False` leaves them out for the operator, whose rollout decides their replicas and retires
-    older revisions' (rollout/)."""
-    revision = engine_revision(cr, images)
+    older revisions' (rollout/). `revision`, when given, must be `engine_revision(cr, images)`, already known."""
+    revision = revision or engine_revision(cr, images)
     children: list[dict[str, Any]] = [launch_configmap(cr, revision), rendezvous_service(cr)]
     if cr.spec.rendezvous.auth == "kubernetes":
         children += [rendezvous_service_account(cr), rendezvous_binding(cr)]

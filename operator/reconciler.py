@@ -128,6 +128,7 @@ class Reconciler:
         self.bindings = BindingCollector(client, self.namespaces, self.log)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
         self._apply_errors: dict[Key, str] = {}  # CRs whose last full pass had a child refused, and why
+        self._revisions: dict[Key, tuple[tuple[str, str], str]] = {}  # (uid, resourceVersion) -> revision
         self.rollout = RolloutExecutor(client, self._apply_recorded, self.log)
 
     # -- children ----------------------------------------------------------------------------------------
@@ -154,8 +155,8 @@ class Reconciler:
     async def _apply_children(self, cr: api.DisaggregatedInference, thorough: bool,
                               still_there: StillThere) -> ApplyOutcome:
         outcome = ApplyOutcome()
-        plan = plan_children(build_children(cr, images=self.images, statefulsets=False), self.applied, self._drifted,
-                             thorough, self._watched)
+        children = build_children(cr, images=self.images, statefulsets=False, revision=self.revision(cr))
+        plan = plan_children(children, self.applied, self._drifted, thorough, self._watched)
         token = cr.spec.rendezvous.auth == "token"
         if (plan.to_apply or (token and self.token_secret_unverified(cr, thorough))) and not await still_there():
             outcome.gone = True
@@ -232,8 +233,16 @@ class Reconciler:
                            unlisted)
 
     def revision(self, cr: api.DisaggregatedInference) -> str:
-        """The revision the spec asks for, as this operator renders it."""
-        return engine_revision(cr, self.images)
+        """The revision the spec asks for, as this operator renders it: rendered once per version of the CR (its
+        uid and resourceVersion; the builders are pure functions of the CR and the images), not once per pass."""
+        key = (meta_namespace(cr), meta_name(cr))
+        version = (str(cr.metadata.get("uid") or ""), str(cr.metadata.get("resourceVersion") or ""))
+        known = self._revisions.get(key)
+        if known is not None and known[0] == version and version[1]:
+            return known[1]
+        revision = engine_revision(cr, self.images)
+        self._revisions[key] = (version, revision)
+        return revision
 
     async def _repair_current(self, key: Key, sets: list[revisions.RevisionSets], revision: str,
                               build: Callable[[Role, int], dict[str, Any]], thorough: bool,
@@ -426,6 +435,7 @@ class Reconciler:
 
     def forget(self, key: Key) -> None:
         self._transport_status.pop(key, None)
+        self._revisions.pop(key, None)
         self._apply_errors.pop(key, None)
         self.rollout.forget(key)
 

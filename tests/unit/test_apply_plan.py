@@ -202,3 +202,31 @@ def test_a_statefulset_the_rollout_created_is_neither_applied_again_nor_its_echo
     assert not r.child_changed("StatefulSet", stored), "the watch's echo of the rollout's own write"
     assert plan_children([sts], r.applied, r._drifted, thorough=True, watched=r._watched).to_apply == (), \
         "the repair of the current revision finds nothing to apply"
+
+
+def _version(c: DisaggregatedInference, rv: str, **spec) -> DisaggregatedInference:
+    data = c.model_dump(by_alias=True, exclude_none=True)
+    data["metadata"]["resourceVersion"] = rv
+    data["spec"].update(spec)
+    return DisaggregatedInference.model_validate(data)
+
+
+def test_the_revision_is_rendered_once_per_version_of_the_cr(monkeypatch):
+    from disagg.operator import reconciler as reconciler_module
+    rec = Reconciler(None, OperatorImages())  # type: ignore[arg-type]  # revision() sends no request
+    calls: list[str] = []
+    real = reconciler_module.engine_revision
+
+    def counting(c, images):
+        calls.append(c.metadata["resourceVersion"])
+        return real(c, images)
+
+    monkeypatch.setattr(reconciler_module, "engine_revision", counting)
+    v1 = _version(cr(), "1")
+    first = rec.revision(v1)
+    assert rec.revision(v1) == first and rec.revision(_version(cr(), "1")) == first
+    assert calls == ["1"], "an unchanged version is not rendered again"
+    v2 = _version(cr(), "2", engine={"image": "vllm/vllm-openai:v9"})
+    assert rec.revision(v2) != first and calls == ["1", "2"], "a new version is rendered"
+    rec.forget(("ml", "m"))
+    assert rec.revision(v2) == rec.revision(v2) and calls == ["1", "2", "2"], "forgotten, it is rendered again"
