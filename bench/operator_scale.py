@@ -196,12 +196,13 @@ def idle_child_patches_per_cr(idle: Counter, crs: int) -> float:
                  / crs, 2)
 
 
-COUNTED = ("disagg_operator_child_applies_total", "disagg_operator_reconciles_total")
+COUNTED = ("disagg_operator_child_applies_total", "disagg_operator_reconciles_total",
+           "disagg_operator_status_writes_total", "disagg_operator_rollout_steps_total")
 
 
 def operator_counters(port: int) -> Counter:
-    """The operator's child applies (by kind and why) and reconcile passes (by trigger and result), read from its
-    metrics endpoint, keyed "metric{label=value,...}"."""
+    """The operator's child applies (by kind and why), reconcile passes (by trigger and result), status writes
+    and rollout steps, read from its metrics endpoint, keyed "metric{label=value,...}"."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
