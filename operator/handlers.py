@@ -61,7 +61,7 @@ from .transport import TransportPoller
 
 INSTANCE = "app.kubernetes.io/instance"
 COMPONENT = "app.kubernetes.io/component"
-MANAGED = {"app.kubernetes.io/managed-by": "disagg-operator"}
+MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 CR = (api.GROUP, api.VERSION, api.PLURAL)
 CHILD_KINDS = {
     "StatefulSet": ("apps", "v1", "statefulsets"),

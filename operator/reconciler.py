@@ -128,7 +128,7 @@ class Reconciler:
         self.bindings = BindingCollector(client, self.namespaces, self.log)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
         self._apply_errors: dict[Key, str] = {}  # CRs whose last full pass had a child refused, and why
-        self._revisions: dict[Key, tuple[tuple[str, str], str]] = {}  # (uid, resourceVersion) -> revision
+        self._revisions: dict[Key, tuple[tuple[str, str], str]] = {}  # ((uid, resourceVersion), its revision)
         self.rollout = RolloutExecutor(client, self._apply_recorded, self.log)
 
     # -- children ----------------------------------------------------------------------------------------

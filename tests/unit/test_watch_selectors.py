@@ -8,7 +8,7 @@ import kopf
 import disagg.operator.handlers  # noqa: F401  (registers the operator's handlers with kopf's default registry)
 from disagg.operator import api, names, watch_selectors
 
-MANAGED = f"{names.LABEL_MANAGED_BY}=disagg-operator"
+MANAGED = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
 
 
 def test_the_operators_own_watches_ask_only_for_what_its_handlers_take():
