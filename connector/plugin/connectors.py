@@ -12,6 +12,8 @@ like one without it. Everything the plugin adds is beside the transfer path, nev
   request needs them (`prewarm`), and drop them when the peer's entry goes away;
 - push decode: a request whose prefill's KV does not come within `push_registration_timeout` is failed (vLLM's
   watchdog only drops its registration), so the client gets an error instead of waiting indefinitely;
+- push decode: a WRITE that lands is reported at the end of the engine step it landed in, not one step later
+  (`push_notify`);
 - worker side, where `$DISAGG_NIXL_PROGRESS_DELAY_US` is set: NIXL's progress thread sleeps in poll() instead of
   spinning a core (`nixl_progress`). It concerns NIXL, not vLLM, so it holds even where the plugin steps aside.
 
@@ -94,6 +96,9 @@ class _DisaggMixin:
         if shim is None:
             return
         self._disagg.transport = "+".join(shim.backends()) or None
+        if self._disagg.kv_mode == "push" and self._disagg.role == "decode" and self._disagg.push_notify_on_step \
+                and shim.notify_on_step() is not None:
+            log.info("disagg plugin: push decode reads NIXL notifications at the end of every engine step")
         if self._disagg.rendezvous_url is not None and self._prewarmer is None:
             self._prewarmer = PeerPrewarmer(shim, self._disagg)
             self._prewarmer.start()

@@ -49,6 +49,10 @@ class PluginSettings:
     """Push prefill: WRITE the null block to each newly loaded decode (`write_warmup`);
     `$DISAGG_WRITE_WARMUP=0` turns it off (the benchmark's before/after arm)."""
 
+    push_notify_on_step: bool = True
+    """Push decode: read NIXL's notifications at the end of every engine step (`push_notify`);
+    `$DISAGG_PUSH_NOTIFY_ON_STEP=0` leaves them to vLLM's writer thread (the benchmark's before/after arm)."""
+
     def warmup_tokens(self) -> int:
         """Prompt length of the self warm-up (`advertiser.warm_up`): two and a half KV blocks unless
         `$DISAGG_WARMUP_TOKENS` says otherwise, within the model's context. Several blocks, because a P/D engine's
@@ -81,7 +85,8 @@ class PluginSettings:
             token_file=env.get(wire_env.RENDEZVOUS_TOKEN_FILE) or None,
             heartbeat_seconds=wire_env.heartbeat_seconds(env), env=env,
             max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
-            write_warmup=env.get(wire_env.WRITE_WARMUP, "1") != "0")
+            write_warmup=env.get(wire_env.WRITE_WARMUP, "1") != "0",
+            push_notify_on_step=env.get(wire_env.PUSH_NOTIFY_ON_STEP, "1") != "0")
 
     def compatible_peer(self, adv: Any) -> bool:
         """A peer this engine may be paired with: the other role, same deployment, layout and transfer mode."""

@@ -25,7 +25,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .push_notify import StepNotifications
 
 log = logging.getLogger("disagg.plugin")
 
@@ -100,6 +103,15 @@ class NixlWorker(Protocol):
     def _compute_desc_ids(self, block_ids: Any, dst_num_blocks: int, block_size_ratio: float | None,
                           physical_blocks_per_logical: int, **layout: Any) -> Any: ...
     def _logical_to_kernel_block_ids(self, block_ids: Any, ratio: int) -> Any: ...
+
+
+class NixlPushWorker(Protocol):
+    """What `WorkerShim.notify_on_step` uses of vLLM 0.32's push worker, beyond `NixlWorker`."""
+
+    nixl_wrapper: Any
+    _pending_completion_notifs: queue.Queue[bytes]
+
+    def get_transfer_results(self) -> Any: ...
 
 
 class NixlScheduler(Protocol):
@@ -393,6 +405,36 @@ class WorkerShim:
                 except Exception as e:  # an unfinished transfer cannot be released; NIXL frees it with the agent
                     log.info("disagg plugin: releasing a transfer handle failed: %s", e)
         return tuple(ranks)
+
+    # -- push notifications ------------------------------------------------------------------------------------
+    def notify_on_step(self) -> StepNotifications | None:
+        """Make this push worker read NIXL's notifications on the engine's main thread at the end of every step
+        (`push_notify`), by wrapping the worker's `get_transfer_results` and its writer thread's NIXL call. None,
+        and vLLM's own path kept, when the worker is not the push worker this module knows."""
+        from .push_notify import StepNotifications
+
+        w: Any = self._w
+        missing = missing_attributes(w, NixlPushWorker)
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+        except ImportError:
+            missing.append("metadata.PUSH_REG_NOTIF_PREFIX")
+        if missing or not hasattr(w.nixl_wrapper, "get_new_notifs"):
+            log.info("disagg plugin: not a push worker this plugin knows (lacks %s); notifications stay on vLLM's "
+                     "writer thread", ", ".join(missing) or "nixl_wrapper.get_new_notifs")
+            return None
+        prefix = bytes(PUSH_REG_NOTIF_PREFIX)
+        notes = StepNotifications(w.nixl_wrapper.get_new_notifs, lambda m: m.startswith(prefix),
+                                  w._pending_completion_notifs.put)
+        results = w.get_transfer_results
+
+        def get_transfer_results() -> Any:
+            notes.drain()
+            return results()
+
+        w.nixl_wrapper.get_new_notifs = notes.for_writer
+        w.get_transfer_results = get_transfer_results
+        return notes
 
     # -- the registration timeout --------------------------------------------------------------------------------
     def fail_receive(self, request_id: str) -> bool:

@@ -43,6 +43,9 @@ WARMUP: Final = "DISAGG_WARMUP"
 WARMUP_TOKENS: Final = "DISAGG_WARMUP_TOKENS"
 WRITE_WARMUP: Final = "DISAGG_WRITE_WARMUP"
 """`0` turns off push prefill's null-block WRITE to each newly loaded decode."""
+PUSH_NOTIFY_ON_STEP: Final = "DISAGG_PUSH_NOTIFY_ON_STEP"
+"""`0` leaves a push decode's NIXL notifications to vLLM's writer thread, which reports a landed KV one engine
+step later (connector/plugin/push_notify.py); the default reads them at the end of every step."""
 NIXL_PROGRESS_DELAY_US: Final = "DISAGG_NIXL_PROGRESS_DELAY_US"
 """Microseconds NIXL's progress thread may sleep in poll() between events (rounded up to whole milliseconds);
 unset, NIXL's default 0 spins a core. CPU engines get it (CPU_ENGINE_ENV)."""

@@ -93,6 +93,13 @@ class TestPush:
         # Decode never warms a WRITE path: it only receives.
         assert log_lines(d, "warmed the WRITE path") == []
 
+    def test_decode_reads_push_notifications_at_the_end_of_each_step(self, push_pair):
+        """The real push worker has the shape connector/plugin/push_notify.py wraps: decode reads NIXL's
+        notifications on its main thread (a landed KV counts in the step it landed in); prefill keeps vLLM's path."""
+        assert log_lines(push_pair.decode, "reads NIXL notifications at the end of every engine step")
+        assert log_lines(push_pair.decode, "notifications stay on vLLM's writer thread") == []
+        assert log_lines(push_pair.prefill, "reads NIXL notifications") == []
+
     def test_engines_advertise_identity_transport_and_handshake_metadata(self, push_pair):
         ads = advertised(push_pair.rendezvous.url)
         for engine in (push_pair.prefill, push_pair.decode):
