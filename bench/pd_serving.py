@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import atexit
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -85,6 +86,7 @@ from pd_client import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
+from disagg.connector.wire import env as wire_env
 from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.devcluster import netns, tinymodel, vllm_env
 from disagg.devcluster.build import cache_dir
@@ -99,12 +101,18 @@ DEFAULT_CELLS = "256@1,256@2,1024@0.5,2048@0.5"
 ARMS = {  # arm -> phase
     "direct-push": "push", "router-push-concurrent": "push", "router-push-sequential": "push",
     "direct-pull": "pull", "router-pull": "pull", "vllm-router-pull": "pull",
+    # A push pair whose decode leaves NIXL's notifications to vLLM's writer thread (DISAGG_PUSH_NOTIFY_ON_STEP=0):
+    # the plugin's end-of-step read (connector/plugin/push_notify.py) before and after, side by side.
+    "direct-push-writer": "push-writer", "router-push-writer": "push-writer",
     "mono": "mono",
     # The same paths against stub engines that answer at once (bench/stub_engine.py): the router's own cost.
     "stub-direct-push": "stub", "stub-router-push": "stub", "stub-direct-pull": "stub", "stub-router-pull": "stub",
     "stub-vllm-router-pull": "stub",
 }
 DEFAULT_STUB_CELLS = "256@20,2048@20"
+PUSH_VARIANTS = {"writer": {wire_env.PUSH_NOTIFY_ON_STEP: "0"}}
+"""Push pairs started with other env, by arm suffix: `writer` leaves decode's NIXL notifications to vLLM's writer
+thread (the plugin's end-of-step read off)."""
 SUSTAINED = 0.9
 """Share of a queue-free server's throughput an arm must reach for its cell's rate to count as sustained."""
 HEARTBEAT_S = 5  # the rendezvous' and engines' default
@@ -537,7 +545,7 @@ def phase_schedule(phases: list[str], rounds: int) -> list[tuple[int, str]]:
     """(round, phase) in running order: stub first, then push and pull alternating ABBA for `rounds` rounds (each
     run on fresh engines, so that drift over the run and whichever pair goes first weigh on both alike), then
     mono. Phases not listed are left out."""
-    paired = [p for p in ("push", "pull") if p in phases]
+    paired = [p for p in ("push", "pull", "push-writer") if p in phases]
     return ([(0, "stub")] if "stub" in phases else []) + abba(paired, rounds) + \
         ([(0, "mono")] if "mono" in phases else [])
 
@@ -669,18 +677,29 @@ def write_engines_file(ph: Phase, mode: str, engines: list[LocalEngine]) -> tupl
     return path, ads
 
 
-async def push_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[ArmResult], dict]:
-    prefill = ph.engine("bench-push-prefill", "prefill", core=0, mode="push")
-    decode = ph.engine("bench-push-decode", "decode", core=1, mode="push")
+async def push_phase(ph: Phase, cfg: Config, wanted: list[str], variant: str = "") -> tuple[list[ArmResult], dict]:
+    """The push pair's arms; with `variant`, the arms `direct-push-<variant>` and `router-push-<variant>` on a pair
+    started with the variant's env (PUSH_VARIANTS)."""
+    suffix = f"-{variant}" if variant else ""
+    if variant:
+        ph.engine_options = {**ph.engine_options,
+                             "extra_env": {**ph.engine_options.get("extra_env", {}), **PUSH_VARIANTS[variant]}}
+    prefill = ph.engine(f"bench-push{suffix}-prefill", "prefill", core=0, mode="push")
+    decode = ph.engine(f"bench-push{suffix}-decode", "decode", core=1, mode="push")
     info = ph.start_engines()
     info.update(ph.await_plugin("push"))
     source = ph.router_source("push")
     first, last = [], []
-    if "direct-push" in wanted:
-        first.append(Arm("direct-push", "this client sends the prefill and decode legs at once (push protocol, "
-                                        "no router)",
+    if f"direct-push{suffix}" in wanted:
+        env = f"; engines with {PUSH_VARIANTS[variant]}" if variant else ""
+        first.append(Arm(f"direct-push{suffix}", "this client sends the prefill and decode legs at once (push "
+                                                 f"protocol, no router){env}",
                          direct_push(prefill.url, decode.url, ph.prefill_advertisement(prefill, "push"))))
-    for dispatch in ("concurrent", "sequential"):
+    if variant and f"router-push{suffix}" in wanted:
+        url = ph.router(f"router-push{suffix}", "push", "concurrent", source, cfg.timeout)
+        first.append(Arm(f"router-push{suffix}", f"disagg router --mode push; engines with {PUSH_VARIANTS[variant]}",
+                         via(url), url + "/metrics", "push"))
+    for dispatch in ("concurrent", "sequential") if not variant else ():
         name = f"router-push-{dispatch}"
         if name in wanted:
             url = ph.router(name, "push", dispatch, source, cfg.timeout)
@@ -852,6 +871,11 @@ def headline(arms: dict[str, ArmResult]) -> dict:
                                                          "handoff"),
         "handoff_direct_push_over_direct_pull": ("direct-push", "direct-pull", "handoff"),
         "ttft_direct_push_over_direct_pull": ("direct-push", "direct-pull", "ttft"),
+        "handoff_direct_push_over_direct_push_writer": ("direct-push", "direct-push-writer", "handoff"),
+        "ttft_direct_push_over_direct_push_writer": ("direct-push", "direct-push-writer", "ttft"),
+        "handoff_direct_push_writer_over_direct_pull": ("direct-push-writer", "direct-pull", "handoff"),
+        "handoff_router_push_over_router_push_writer": ("router-push-concurrent", "router-push-writer", "handoff"),
+        "ttft_router_push_over_router_push_writer": ("router-push-concurrent", "router-push-writer", "ttft"),
         "ttft_router_pull_over_vllm_router_pull": ("router-pull", "vllm-router-pull", "ttft"),
         "ttft_router_push_concurrent_over_direct_push": ("router-push-concurrent", "direct-push", "ttft"),
         "ttft_router_pull_over_direct_pull": ("router-pull", "direct-pull", "ttft"),
@@ -987,7 +1011,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         atexit.register(network.teardown)
         log(f"engines in network namespaces {[s.netns for s in slots]} on bridge {network.bridge}, UCX_TLS "
             f"{netns.NETNS_UCX_TLS}, links {f'shaped to {args.link_mbit} Mbit/s' if args.link_mbit else 'unshaped'}")
-    runners = {"stub": stub_phase, "push": push_phase, "pull": pull_phase, "mono": mono_phase}
+    runners = {"stub": stub_phase, "push": push_phase, "pull": pull_phase, "mono": mono_phase,
+               "push-writer": functools.partial(push_phase, variant="writer")}
     segments: dict[str, list[ArmResult]] = {}
     for r, phase in phase_schedule(sorted({ARMS[a] for a in arms}), args.phase_rounds):
         runner, wanted = runners[phase], [a for a in arms if ARMS[a] == phase]
@@ -995,7 +1020,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         # Within a phase run, its arms' rounds use seed + 0 .. rounds - 1; the next phase round follows on.
         phase_cfg = dataclasses.replace(cfg, seed=cfg.seed + r * cfg.rounds)
         log(f"phase {label}: starting {'stub engines' if phase == 'stub' else 'engines'}")
-        ph = Phase(python, model, logs, engine_options, plugin_dir if phase in ("push", "pull") else None,
+        ph = Phase(python, model, logs, engine_options, plugin_dir if phase not in ("stub", "mono") else None,
                    slots if phase != "stub" else None)
         info: dict = {}
         try:
