@@ -8,7 +8,7 @@ A line (`--access-log PATH`, `-` for standard output) has:
 - `endpoint`, `mode`, `status` (the HTTP status the client got), `attempts` (legs sent: 0, 1 or 2);
 - `prefill`, `decode`: the engines of the last attempt;
 - `ms`: milliseconds from receipt, on one monotonic clock, of the last attempt's `start`, `prefill_done`
-  (prefill answered), `decode_sent` (decode's request headers written), `first_token` (first token relayed) and
+  (prefill answered), `decode_sent` (the decode leg handed to the HTTP client), `first_token` (first token relayed) and
   `done` (the answer finished); absent ones are null;
 - `handoff_ms`: `first_token` minus `prefill_done`, the KV handoff, when both are known;
 - `error`: the last upstream failure, when the request was not served.

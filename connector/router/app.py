@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -147,10 +146,10 @@ class Router:
     async def _open_decode(self, engine: EngineAdvertisement, path: str, body: dict[str, Any], rid: str,
                            tl: Attempt) -> aiohttp.ClientResponse:
         assert self.session is not None
-        trace = {"tl": tl}
         try:
+            tl.decode_sent = time.monotonic()
             resp = await self.session.post(f"{engine.http_url}{path}", json=body, headers={"X-Request-Id": rid},
-                                           timeout=self._timeout(), trace_request_ctx=trace)
+                                           timeout=self._timeout())
         except (TimeoutError, aiohttp.ClientError) as e:
             raise UpstreamFailed("decode", engine.engine_id, type(e).__name__, str(e) or "timeout") from e
         if resp.status != 200:
@@ -374,16 +373,8 @@ class Router:
         return app
 
     async def _lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
-        trace = aiohttp.TraceConfig()
-
-        async def headers_sent(_session: aiohttp.ClientSession, ctx: SimpleNamespace,
-                               _params: aiohttp.TraceRequestHeadersSentParams) -> None:
-            if ctx.trace_request_ctx and "tl" in ctx.trace_request_ctx:
-                ctx.trace_request_ctx["tl"].decode_sent = time.monotonic()
-
-        trace.on_request_headers_sent.append(headers_sent)
-        self.session = aiohttp.ClientSession(trace_configs=[trace],
-                                             connector=aiohttp.TCPConnector(limit=1024, limit_per_host=256))
+        # No aiohttp TraceConfig: a session with one awaits a signal for every response chunk of every leg.
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024, limit_per_host=256))
         probe = asyncio.create_task(self.pool.probe_forever(self.session))
         yield
         probe.cancel()
@@ -478,6 +469,14 @@ def build(args: argparse.Namespace) -> tuple[Router, list[tuple[EngineCache, Ren
     return Router(EnginePool(args.mode, source), settings, synced=synced, access_log=access_log), tasks
 
 
+def event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop: the router's CPU per request is mostly the event loop and HTTP plumbing, which libuv does in C
+    (bench/router_stubs.py measures it)."""
+    import uvloop
+
+    return uvloop.new_event_loop()
+
+
 def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router, follows = build(args)
@@ -493,5 +492,5 @@ def main(args: argparse.Namespace) -> None:
 
     app.cleanup_ctx.append(follow)
     # Cancel a request's handler when its client disconnects, so both upstream legs are aborted too.
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None,
+    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None, loop=event_loop(),
                 print=lambda *_: log.info("router (%s, %s) on %s:%d", args.mode, args.dispatch, args.host, args.port))
