@@ -14,6 +14,7 @@ like one without it. Everything the plugin adds is beside the transfer path, nev
   watchdog only drops its registration), so the client gets an error instead of waiting indefinitely;
 - push decode: a WRITE that lands is reported at the end of the engine step it landed in, not one step later
   (`push_notify`);
+- CPU engines: a step's KV work starts before its forward, not after it (`bind_connector_metadata`);
 - worker side, where `$DISAGG_NIXL_PROGRESS_DELAY_US` is set: NIXL's progress thread sleeps in poll() instead of
   spinning a core (`nixl_progress`). It concerns NIXL, not vLLM, so it holds even where the plugin steps aside.
 
@@ -81,6 +82,7 @@ class _DisaggMixin:
         self._advertiser: EngineAdvertiser | None = None
         self._prewarmer: PeerPrewarmer | None = None
         self._worker_shim: WorkerShim | None = None
+        self._started: Any = None  # the metadata whose KV work started at bind time (bind_connector_metadata)
         self._scheduler_shim: SchedulerShim | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler_shim = SchedulerShim.attach(vllm_shim.connector_scheduler(self),
@@ -96,6 +98,8 @@ class _DisaggMixin:
         if shim is None:
             return
         self._disagg.transport = "+".join(shim.backends()) or None
+        if self._disagg.start_loads_at_bind:
+            log.info("disagg plugin: a step's KV transfers start before its forward (a CPU forward is synchronous)")
         if self._disagg.kv_mode == "push" and self._disagg.role == "decode" and self._disagg.push_notify_on_step \
                 and shim.notify_on_step() is not None:
             log.info("disagg plugin: push decode reads NIXL notifications at the end of every engine step")
@@ -112,7 +116,21 @@ class _DisaggMixin:
                                          else vllm_shim.stepped_aside() or "the worker was not checked")
         return payload
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """vLLM binds a step's metadata before its forward, and starts the step's KV work (pull READs, push
+        registrations, push WRITEs of finished prefills) right after the forward's launch: on an accelerator the
+        launch returns at once and the transfers overlap the step. A CPU forward runs to its end before it
+        returns, so there vLLM's order would hold every transfer back by a whole step. With
+        `start_loads_at_bind`, the step's KV work starts here instead, before the forward, as on a GPU; by then
+        vLLM has zeroed the step's new blocks (synchronously, on CPU), so no transfer lands before that."""
+        super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]
+        if self._disagg.start_loads_at_bind and self._worker_shim is not None:
+            self.start_load_kv(None)
+            self._started = connector_metadata
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._started is not None and self._started is vllm_shim.connector_metadata(self):
+            return  # started when it was bound
         if self._prewarmer is not None:
             self._prewarmer.release_departed()  # the engine's main thread: where vLLM itself releases peers
         super().start_load_kv(forward_context, **kwargs)  # type: ignore[misc]

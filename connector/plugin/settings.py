@@ -26,6 +26,11 @@ def _role(value: str | None) -> Role | None:
     return None
 
 
+def _device(vllm_config: Any) -> str:
+    """vLLM's device type ("cpu", "cuda", "neuron", ...), or "" when the config does not say."""
+    return str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+
+
 @dataclass
 class PluginSettings:
     engine_id: str
@@ -49,6 +54,10 @@ class PluginSettings:
     """Push prefill: WRITE the null block to each newly loaded decode (`write_warmup`);
     `$DISAGG_WRITE_WARMUP=0` turns it off (the benchmark's before/after arm)."""
 
+    start_loads_at_bind: bool = False
+    """CPU engines: start a step's KV transfers when vLLM binds its metadata, before the (synchronous) forward,
+    not after it (`connectors._DisaggMixin.bind_connector_metadata`); `$DISAGG_KV_START_AT_BIND=0` keeps vLLM's
+    order."""
     push_notify_on_step: bool = True
     """Push decode: read NIXL's notifications at the end of every engine step (`push_notify`);
     `$DISAGG_PUSH_NOTIFY_ON_STEP=0` leaves them to vLLM's writer thread (the benchmark's before/after arm)."""
@@ -86,7 +95,8 @@ class PluginSettings:
             heartbeat_seconds=wire_env.heartbeat_seconds(env), env=env,
             max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
             write_warmup=env.get(wire_env.WRITE_WARMUP, "1") != "0",
-            push_notify_on_step=env.get(wire_env.PUSH_NOTIFY_ON_STEP, "1") != "0")
+            push_notify_on_step=env.get(wire_env.PUSH_NOTIFY_ON_STEP, "1") != "0",
+            start_loads_at_bind=_device(vllm_config) == "cpu" and env.get(wire_env.KV_START_AT_BIND, "1") != "0")
 
     def compatible_peer(self, adv: Any) -> bool:
         """A peer this engine may be paired with: the other role, same deployment, layout and transfer mode."""

@@ -46,6 +46,9 @@ WRITE_WARMUP: Final = "DISAGG_WRITE_WARMUP"
 PUSH_NOTIFY_ON_STEP: Final = "DISAGG_PUSH_NOTIFY_ON_STEP"
 """`0` leaves a push decode's NIXL notifications to vLLM's writer thread, which reports a landed KV one engine
 step later (connector/plugin/push_notify.py); the default reads them at the end of every step."""
+KV_START_AT_BIND: Final = "DISAGG_KV_START_AT_BIND"
+"""`0` keeps vLLM's order on CPU engines, where a step's KV transfers start only after its forward has run
+(connector/plugin/connectors.py); the default starts them before it, as a GPU's asynchronous launch does."""
 NIXL_PROGRESS_DELAY_US: Final = "DISAGG_NIXL_PROGRESS_DELAY_US"
 """Microseconds NIXL's progress thread may sleep in poll() between events (rounded up to whole milliseconds);
 unset, NIXL's default 0 spins a core. CPU engines get it (CPU_ENGINE_ENV)."""

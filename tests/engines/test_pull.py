@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.engines import advertised, await_log, await_status, check_outputs, metric
+from support.engines import advertised, await_log, await_status, check_outputs, log_lines, metric
 
 pytestmark = pytest.mark.engines
 
@@ -13,6 +13,9 @@ class TestPull:
     def test_outputs_equal_a_single_engine_streaming_and_not(self, pull_pair, reference):
         await_status(pull_pair.router.url + "/health")
         check_outputs(pull_pair.router.url, reference)
+        # The decode's READs started before each step's forward (the plugin on CPU engines), and its outputs still
+        # equal a single engine's: no READ landed in a block before vLLM had zeroed it.
+        assert log_lines(pull_pair.decode, "KV transfers start before its forward")
         assert metric(pull_pair.router.url, "disagg_router_handoff_seconds_count", mode="pull") >= 8
         # Pull decode handshakes with prefill ahead of time over the side channel (pull needs the clock offset
         # only that round trip measures); both engines advertise.

@@ -99,6 +99,8 @@ class TestPush:
         assert log_lines(push_pair.decode, "reads NIXL notifications at the end of every engine step")
         assert log_lines(push_pair.decode, "notifications stay on vLLM's writer thread") == []
         assert log_lines(push_pair.prefill, "reads NIXL notifications") == []
+        for engine in (push_pair.prefill, push_pair.decode):  # CPU engines: transfers start before the forward
+            assert log_lines(engine, "KV transfers start before its forward")
 
     def test_engines_advertise_identity_transport_and_handshake_metadata(self, push_pair):
         ads = advertised(push_pair.rendezvous.url)

@@ -18,12 +18,13 @@ from disagg.operator.merge import deep_merge
 from support.crs import make_cr
 
 
-def vllm_config(connector="NixlPushConnector", kv_role="kv_consumer", tp=2, block=128):
+def vllm_config(connector="NixlPushConnector", kv_role="kv_consumer", tp=2, block=128, device="cuda"):
     """The attributes of vLLM's VllmConfig the plugin reads (plain data, no vLLM needed)."""
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(engine_id="dec-0-uid", kv_connector=connector, kv_role=kv_role),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, data_parallel_size=1),
-        cache_config=SimpleNamespace(block_size=block), model_config=SimpleNamespace(model="m", dtype="bfloat16"))
+        cache_config=SimpleNamespace(block_size=block), model_config=SimpleNamespace(model="m", dtype="bfloat16"),
+        device_config=SimpleNamespace(device_type=device))
 
 
 POD = {"metadata.name": "qwen-decode-0", "metadata.uid": "uid-1", "status.podIP": "10.0.0.7"}
@@ -119,3 +120,13 @@ def test_compatible_peers_are_the_other_role_of_the_same_deployment_layout_and_m
     for change in ({"role": "prefill"}, {"deployment": "other"}, {"layout_key": "old"}, {"kv_mode": "pull"},
                    {"engine_id": me.engine_id}):
         assert not me.compatible_peer(base.model_copy(update=change)), change
+
+
+def test_kv_work_starts_before_the_forward_only_where_the_forward_is_synchronous():
+    """CPU forwards run to their end before vLLM starts the step's transfers; accelerator launches return at once."""
+    assert PluginSettings.from_vllm(vllm_config(device="cpu"), {}).start_loads_at_bind
+    assert not PluginSettings.from_vllm(vllm_config(device="cuda"), {}).start_loads_at_bind
+    assert not PluginSettings.from_vllm(vllm_config(device="neuron"), {}).start_loads_at_bind
+    assert not PluginSettings.from_vllm(vllm_config(device="cpu"), {"DISAGG_KV_START_AT_BIND": "0"}).start_loads_at_bind
+    assert PluginSettings.from_vllm(vllm_config(), {}).push_notify_on_step
+    assert not PluginSettings.from_vllm(vllm_config(), {"DISAGG_PUSH_NOTIFY_ON_STEP": "0"}).push_notify_on_step
