@@ -104,15 +104,19 @@ ARMS = {  # arm -> phase
     # A push pair whose decode leaves NIXL's notifications to vLLM's writer thread (DISAGG_PUSH_NOTIFY_ON_STEP=0):
     # the plugin's end-of-step read (connector/plugin/push_notify.py) before and after, side by side.
     "direct-push-writer": "push-writer", "router-push-writer": "push-writer",
+    # Pairs that start a step's KV transfers after its forward, vLLM's order on CPU (DISAGG_KV_START_AT_BIND=0).
+    "direct-push-late": "push-late", "direct-pull-late": "pull-late",
     "mono": "mono",
     # The same paths against stub engines that answer at once (bench/stub_engine.py): the router's own cost.
     "stub-direct-push": "stub", "stub-router-push": "stub", "stub-direct-pull": "stub", "stub-router-pull": "stub",
     "stub-vllm-router-pull": "stub",
 }
 DEFAULT_STUB_CELLS = "256@20,2048@20"
-PUSH_VARIANTS = {"writer": {wire_env.PUSH_NOTIFY_ON_STEP: "0"}}
-"""Push pairs started with other env, by arm suffix: `writer` leaves decode's NIXL notifications to vLLM's writer
-thread (the plugin's end-of-step read off)."""
+VARIANTS = {"writer": {wire_env.PUSH_NOTIFY_ON_STEP: "0"}, "late": {wire_env.KV_START_AT_BIND: "0"}}
+"""Pairs started with other env, by arm suffix: `writer` leaves push decode's NIXL notifications to vLLM's writer
+thread (the plugin's end-of-step read off); `late` starts a step's KV transfers after its forward, as vLLM does
+(the plugin's start at bind off)."""
+PAIRED_PHASES = ("push", "pull", "push-writer", "push-late", "pull-late")
 SUSTAINED = 0.9
 """Share of a queue-free server's throughput an arm must reach for its cell's rate to count as sustained."""
 HEARTBEAT_S = 5  # the rendezvous' and engines' default
@@ -545,7 +549,7 @@ def phase_schedule(phases: list[str], rounds: int) -> list[tuple[int, str]]:
     """(round, phase) in running order: stub first, then push and pull alternating ABBA for `rounds` rounds (each
     run on fresh engines, so that drift over the run and whichever pair goes first weigh on both alike), then
     mono. Phases not listed are left out."""
-    paired = [p for p in ("push", "pull", "push-writer") if p in phases]
+    paired = [p for p in PAIRED_PHASES if p in phases]
     return ([(0, "stub")] if "stub" in phases else []) + abba(paired, rounds) + \
         ([(0, "mono")] if "mono" in phases else [])
 
@@ -679,11 +683,11 @@ def write_engines_file(ph: Phase, mode: str, engines: list[LocalEngine]) -> tupl
 
 async def push_phase(ph: Phase, cfg: Config, wanted: list[str], variant: str = "") -> tuple[list[ArmResult], dict]:
     """The push pair's arms; with `variant`, the arms `direct-push-<variant>` and `router-push-<variant>` on a pair
-    started with the variant's env (PUSH_VARIANTS)."""
+    started with the variant's env (VARIANTS)."""
     suffix = f"-{variant}" if variant else ""
     if variant:
         ph.engine_options = {**ph.engine_options,
-                             "extra_env": {**ph.engine_options.get("extra_env", {}), **PUSH_VARIANTS[variant]}}
+                             "extra_env": {**ph.engine_options.get("extra_env", {}), **VARIANTS[variant]}}
     prefill = ph.engine(f"bench-push{suffix}-prefill", "prefill", core=0, mode="push")
     decode = ph.engine(f"bench-push{suffix}-decode", "decode", core=1, mode="push")
     info = ph.start_engines()
@@ -691,13 +695,13 @@ async def push_phase(ph: Phase, cfg: Config, wanted: list[str], variant: str = "
     source = ph.router_source("push")
     first, last = [], []
     if f"direct-push{suffix}" in wanted:
-        env = f"; engines with {PUSH_VARIANTS[variant]}" if variant else ""
+        env = f"; engines with {VARIANTS[variant]}" if variant else ""
         first.append(Arm(f"direct-push{suffix}", "this client sends the prefill and decode legs at once (push "
                                                  f"protocol, no router){env}",
                          direct_push(prefill.url, decode.url, ph.prefill_advertisement(prefill, "push"))))
     if variant and f"router-push{suffix}" in wanted:
         url = ph.router(f"router-push{suffix}", "push", "concurrent", source, cfg.timeout)
-        first.append(Arm(f"router-push{suffix}", f"disagg router --mode push; engines with {PUSH_VARIANTS[variant]}",
+        first.append(Arm(f"router-push{suffix}", f"disagg router --mode push; engines with {VARIANTS[variant]}",
                          via(url), url + "/metrics", "push"))
     for dispatch in ("concurrent", "sequential") if not variant else ():
         name = f"router-push-{dispatch}"
@@ -710,16 +714,25 @@ async def push_phase(ph: Phase, cfg: Config, wanted: list[str], variant: str = "
     return await run_arms(first, cfg) + (await run_arms(last, cfg) if last else []), info
 
 
-async def pull_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[ArmResult], dict]:
-    prefill = ph.engine("bench-pull-prefill", "prefill", core=0, mode="pull")
-    decode = ph.engine("bench-pull-decode", "decode", core=1, mode="pull")
+async def pull_phase(ph: Phase, cfg: Config, wanted: list[str], variant: str = "") -> tuple[list[ArmResult], dict]:
+    """The pull pair's arms; with `variant`, only `direct-pull-<variant>`, on a pair started with its env."""
+    suffix = f"-{variant}" if variant else ""
+    if variant:
+        ph.engine_options = {**ph.engine_options,
+                             "extra_env": {**ph.engine_options.get("extra_env", {}), **VARIANTS[variant]}}
+    prefill = ph.engine(f"bench-pull{suffix}-prefill", "prefill", core=0, mode="pull")
+    decode = ph.engine(f"bench-pull{suffix}-decode", "decode", core=1, mode="pull")
     info = ph.start_engines()
     info.update(ph.await_plugin("pull"))
     source = ph.router_source("pull")
     arms, skipped = [], []
-    if "direct-pull" in wanted:
-        arms.append(Arm("direct-pull", "this client sends prefill, then decode with prefill's kv_transfer_params "
-                                       "(pull protocol, no router)", direct_pull(prefill.url, decode.url)))
+    if f"direct-pull{suffix}" in wanted:
+        env = f"; engines with {VARIANTS[variant]}" if variant else ""
+        arms.append(Arm(f"direct-pull{suffix}", "this client sends prefill, then decode with prefill's "
+                                                f"kv_transfer_params (pull protocol, no router){env}",
+                        direct_pull(prefill.url, decode.url)))
+    if variant:
+        return await run_arms(arms, cfg), info
     if "router-pull" in wanted:
         url = ph.router("router-pull", "pull", "concurrent", source, cfg.timeout)
         arms.append(Arm("router-pull", "disagg router --mode pull", via(url), url + "/metrics", "pull"))
@@ -875,6 +888,11 @@ def headline(arms: dict[str, ArmResult]) -> dict:
         "ttft_direct_push_over_direct_push_writer": ("direct-push", "direct-push-writer", "ttft"),
         "handoff_direct_push_writer_over_direct_pull": ("direct-push-writer", "direct-pull", "handoff"),
         "handoff_router_push_over_router_push_writer": ("router-push-concurrent", "router-push-writer", "handoff"),
+        "handoff_direct_push_over_direct_push_late": ("direct-push", "direct-push-late", "handoff"),
+        "handoff_direct_pull_over_direct_pull_late": ("direct-pull", "direct-pull-late", "handoff"),
+        "ttft_direct_push_over_direct_push_late": ("direct-push", "direct-push-late", "ttft"),
+        "ttft_direct_pull_over_direct_pull_late": ("direct-pull", "direct-pull-late", "ttft"),
+        "handoff_direct_push_late_over_direct_pull_late": ("direct-push-late", "direct-pull-late", "handoff"),
         "ttft_router_push_over_router_push_writer": ("router-push-concurrent", "router-push-writer", "ttft"),
         "ttft_router_pull_over_vllm_router_pull": ("router-pull", "vllm-router-pull", "ttft"),
         "ttft_router_push_concurrent_over_direct_push": ("router-push-concurrent", "direct-push", "ttft"),
@@ -1012,7 +1030,9 @@ async def main_async(args: argparse.Namespace) -> dict:
         log(f"engines in network namespaces {[s.netns for s in slots]} on bridge {network.bridge}, UCX_TLS "
             f"{netns.NETNS_UCX_TLS}, links {f'shaped to {args.link_mbit} Mbit/s' if args.link_mbit else 'unshaped'}")
     runners = {"stub": stub_phase, "push": push_phase, "pull": pull_phase, "mono": mono_phase,
-               "push-writer": functools.partial(push_phase, variant="writer")}
+               "push-writer": functools.partial(push_phase, variant="writer"),
+               "push-late": functools.partial(push_phase, variant="late"),
+               "pull-late": functools.partial(pull_phase, variant="late")}
     segments: dict[str, list[ArmResult]] = {}
     for r, phase in phase_schedule(sorted({ARMS[a] for a in arms}), args.phase_rounds):
         runner, wanted = runners[phase], [a for a in arms if ARMS[a] == phase]
