@@ -69,6 +69,10 @@ def _pd_serving(name: str, d: dict[str, Any]) -> Iterator[Row]:
         ("ttft_router_pull_over_direct_pull", "our router / no router TTFT (pull pair)", None),
         ("ttft_router_pull_over_mono", "P/D through our router / one plain engine TTFT", None),
     ]
+    wanted += [("handoff_direct_push_over_direct_push_writer",
+                "push handoff, notifications read at each step end / on vLLM's writer thread (no router)", None),
+               ("ttft_direct_push_over_direct_push_writer",
+                "push TTFT, notifications read at each step end / on vLLM's writer thread (no router)", None)]
     wanted += [("tpot_direct_push_over_direct_pull", "push / pull TPOT (no router)", None),
                ("tpot_push_concurrent_over_pull", "push / pull TPOT (through our router)", None)]
     for key, measure, goal in wanted:
@@ -207,9 +211,44 @@ def _rollout(name: str, d: dict[str, Any]) -> Iterator[Row]:
                   f"{'' if c.get('steps') == 1 else 's'}")
 
 
+def _router_stubs(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """The router's own cost on stub engines (issue 15, item 4): added TTFT per arm and cell, the router's CPU per
+    request, saturation; judged against vllm-router on the pull protocol, the one both speak."""
+    h, cfg = d["headline"], d.get("config", {})
+    n = f"{cfg.get('requests_per_round', 0) * cfg.get('rounds', 1)} requests ({cfg.get('rounds')} ABBA rounds)"
+    for arm, cells in h.get("added_ttft", {}).items():
+        for cell, c in sorted(cells.items(), key=lambda kv: _cell_order(kv[0])):
+            for q in ("p50", "p99"):
+                yield Row("router_stubs", f"{arm}: added TTFT {q}, {cell}", c[q]["ms"], "ms", name,
+                          _ci(c[q]["ci90"]), None, n)
+    for cell, diff in (h.get("added_p99_router_minus_vllm_router_ms") or {}).items():
+        yield Row("router_stubs", f"added TTFT p99, our router minus vllm-router (pull), {cell}", diff, "ms", name,
+                  None, Goal("<=", 0.0, "issue 15"), n)
+    for arm, cpu in h.get("router_cpu_ms_per_request", {}).items():
+        yield Row("router_stubs", f"{arm}: router CPU per request", cpu, "ms", name, None, None,
+                  "mean over the latency cells")
+    ramp = f"ramp {cfg.get('rates')} req/s, {cfg.get('ramp_step_s')} s per step; router alone on one core"
+    for arm, rps in h.get("saturation_rps", {}).items():
+        yield Row("router_stubs", f"{arm}: saturation throughput", rps, "req/s", name, None, None, ramp)
+    if h.get("saturation_router_over_vllm_router") is not None:
+        yield Row("router_stubs", "saturation, our router / vllm-router (pull)",
+                  h["saturation_router_over_vllm_router"], "x", name, None, Goal(">=", 1.0, "issue 15"), ramp)
+
+
+def _kv_write(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """One push handoff's WRITE alone (no vLLM): posted to the target seeing its notification, per arm."""
+    cfg = d.get("config", {})
+    for arm, a in d["arms"].items():
+        n = f"{a['notified']['n']} WRITEs of {cfg.get('mib_per_transfer')} MiB"
+        for q in ("p50", "p99"):
+            yield Row("kv_write", f"{arm}: WRITE posted to notified, {q}", a["notified"][f"{q}_ms"], "ms", name,
+                      None, None, n)
+
+
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
     "pd_serving": _pd_serving, "cold_pair": _cold_pair, "cluster_path": _cluster_path,
-    "operator_scale": _operator_scale, "rollout": _rollout, "capacity": _capacity,
+    "operator_scale": _operator_scale, "rollout": _rollout, "capacity": _capacity, "router_stubs": _router_stubs,
+    "kv_write": _kv_write,
 }
 
 
