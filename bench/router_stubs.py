@@ -249,14 +249,18 @@ def headline(cells: dict[str, list[dict]], ramps: dict[str, list[dict]], modes: 
 
 
 def parse_rates(text: str) -> list[float]:
+    """Increasing positive rates; "" for none (no ramp)."""
     rates = [float(x) for x in text.split(",") if x.strip()]
+    if not text.strip():
+        return []
     if not rates or any(r <= 0 or not math.isfinite(r) for r in rates) or rates != sorted(rates):
         raise argparse.ArgumentTypeError(f"--rates wants increasing positive numbers, got {text!r}")
     return rates
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    wanted = [a for a in args.arms.split(",") if a]
+    default = [a for a in ARMS if args.before or not a.startswith("before-")]
+    wanted = [a for a in args.arms.split(",") if a] if args.arms else default
     if set(wanted) - set(ARMS):
         raise SystemExit(f"unknown arms {sorted(set(wanted) - set(ARMS))}; known: {list(ARMS)}")
     if any(a.startswith("before-") for a in wanted) and not args.before:
@@ -350,7 +354,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--arms", default=",".join(a for a in ARMS if not a.startswith("before-")))
+    p.add_argument("--arms", help="default: every arm, the before-* arms only with --before")
     p.add_argument("--before", help="a commit whose router runs as the before-* arms")
     p.add_argument("--cells", default="256@50,2048@50")
     p.add_argument("--requests", type=int, default=250, help="per cell, arm and round")
