@@ -520,6 +520,9 @@ def merge_rounds(rounds: list[dict]) -> dict:
            **{key: _mean([r[key] for r in rounds]) for key in ("throughput_rps", "output_tokens_per_s")},
            "cpu": {key: _mean([r["cpu"][key] for r in rounds if "cpu" in r]) for key in first.get("cpu", {})},
            "wall_s": round(sum(r["wall_s"] for r in rounds), 2), "arrival_span_s": first.get("arrival_span_s"),
+           # Runs of the workload behind this cell: a merge of merged cells (phase rounds of ABBA rounds) counts
+           # every run, which is what its planned requests are spread over.
+           "runs": sum(r.get("runs", 1) for r in rounds),
            "requests": rows,
            "rounds": [{k: v for k, v in r.items() if k != "requests"} for r in rounds]}
     if all("link" in r for r in rounds):
@@ -847,7 +850,8 @@ def sustained(cell: dict) -> bool:
     span = cell.get("arrival_span_s")
     if not e2e or not span or not cell.get("throughput_rps"):
         return False
-    planned = cell["planned"] / max(1, len(cell.get("rounds", [])))  # a merged cell: per round, as the throughput
+    runs = cell.get("runs") or max(1, len(cell.get("rounds", [])))
+    planned = cell["planned"] / runs  # a merged cell: per run, as the throughput
     return cell["throughput_rps"] >= SUSTAINED * planned / (span + e2e / 1000)
 
 
@@ -1112,6 +1116,8 @@ def reanalyze(result: dict) -> dict:
         for c in a.cells:
             last = workload(Cell(c["prompt_tokens"], c["rate_rps"]), n, cfg["seed"])[-1]
             c.setdefault("arrival_span_s", last.arrival)
+            if "rounds" in c:  # merged before cells counted their runs
+                c.setdefault("runs", cfg.get("rounds", 1) * cfg.get("phase_rounds", 1))
     result["arms"] = {k: asdict(v) for k, v in arms.items()}
     result["headline"], result["table"] = headline(arms), table(arms)
     result["definitions"] = DEFINITIONS

@@ -94,3 +94,16 @@ def test_segments_of_one_arm_pool_per_cell_by_name(pd):
     assert merged.cells[1]["ttft"]["p50_ms"] == 35.0
     assert merged.warmup == [{"ok": True}, {"ok": False}] and merged.skipped == "aborted in 1024tok@1/s"
     assert pd.merge_segments([first]).cells == [a, b]
+
+
+def test_a_cell_pooled_over_phase_rounds_of_abba_rounds_is_judged_per_run(pd):
+    """--rounds 2 --phase-rounds 2: each phase's two rounds are merged, then the phases' cells. The rate is
+    sustained when each run kept up, whatever the nesting."""
+    def run(throughput: float) -> dict:
+        return {**cell_round([10.0] * 25, [1.0] * 25, throughput), "arrival_span_s": 24.0}
+
+    kept = pd.merge_rounds([pd.merge_rounds([run(0.98), run(0.97)]), pd.merge_rounds([run(0.99), run(0.98)])])
+    assert kept["planned"] == 100 and kept["runs"] == 4
+    assert pd.sustained(kept)  # 0.98 req/s against 25 / (24 s + 0.11 s) = 1.04
+    fell_behind = pd.merge_rounds([pd.merge_rounds([run(0.5), run(0.5)]), pd.merge_rounds([run(0.5), run(0.5)])])
+    assert not pd.sustained(fell_behind)
