@@ -39,7 +39,7 @@ class StepNotifications:
         self._lock = threading.Lock()
         self._held: Notifications = {}
         self.drained = 0
-        """Notifications the main thread forwarded (the count the tests and the log read)."""
+        """Notifications the main thread has forwarded so far."""
 
     def for_writer(self, *args: Any, **kwargs: Any) -> Notifications:
         """What the writer thread gets when it asks NIXL: registrations the main thread held, then NIXL's new ones."""
