@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from support.dinf import Dinf, cond
+from support.dinf import Dinf
 from support.engines import check_outputs
-from support.node import deploy
+from support.node import deploy, transport_verdict
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.engines]
 
@@ -18,9 +18,8 @@ def pull(cluster, real_node, operator_release, module_namespace, reference):
 
 
 def test_pull_is_ready_with_its_transport_verified(cluster, pull):
-    dinf = cluster.client.get(Dinf, pull.name, namespace=pull.namespace)
-    assert dinf.spec["kvTransfer"]["mode"] == "pull"
-    verified = cond(dinf, "TransportVerified")
+    assert cluster.client.get(Dinf, pull.name, namespace=pull.namespace).spec["kvTransfer"]["mode"] == "pull"
+    verified = transport_verdict(cluster, pull)
     assert (verified["status"], verified["reason"]) == ("True", "TransportMatches"), verified
 
 

@@ -17,10 +17,10 @@ import pytest
 from lightkube.resources.core_v1 import ConfigMap, Pod
 
 from disagg.operator import names
-from support.dinf import Dinf, cond, revision
+from support.dinf import revision
 from support.engines import Load, check_outputs, completion, metric
 from support.kube import pod_ready, watch_until
-from support.node import Deployed, deploy
+from support.node import Deployed, deploy, transport_verdict
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.engines]
 
@@ -45,12 +45,7 @@ def test_engines_run_as_pods_on_the_node_and_the_transport_is_verified(cluster, 
         pod = engine_pod(cluster, push, role)
         assert pod.spec.nodeName == real_node.name and pod_ready(pod)
         assert [s.state.terminated.exitCode for s in pod.status.initContainerStatuses] == [0]  # install-plugin
-    # Ready is about pods; the engines' reported transport follows from the next rendezvous read (forced as soon as
-    # a Ready engine is not listed), within seconds.
-    dinf = watch_until(cluster, Dinf, push.name,
-                       lambda d: (cond(d, "TransportVerified") or {}).get("status") != "Unknown",
-                       namespace=push.namespace, timeout=30, what="a transport verdict")
-    verified = cond(dinf, "TransportVerified")
+    verified = transport_verdict(cluster, push)
     assert (verified["status"], verified["reason"]) == ("True", "TransportMatches"), verified
 
 

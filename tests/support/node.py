@@ -51,3 +51,16 @@ def deploy(cluster, real_node, namespace: str, name: str, mode: str, timeout: fl
         return f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
 
     return Deployed(name, namespace, url(names.router_name(name)), url(names.rendezvous_name(name)))
+
+
+def transport_verdict(cluster, deployed: Deployed) -> dict:
+    """The deployment's TransportVerified condition once it is no longer Unknown. Ready is about pods; the engines'
+    reported transport follows from the next rendezvous read (forced as soon as a Ready engine is not listed),
+    within seconds."""
+    from support.dinf import Dinf, cond
+    from support.kube import watch_until
+
+    dinf = watch_until(cluster, Dinf, deployed.name,
+                       lambda d: (cond(d, "TransportVerified") or {}).get("status") != "Unknown",
+                       namespace=deployed.namespace, timeout=30, what="a transport verdict")
+    return cond(dinf, "TransportVerified")
