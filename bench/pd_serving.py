@@ -101,8 +101,8 @@ DEFAULT_CELLS = "256@1,256@2,1024@0.5,2048@0.5"
 ARMS = {  # arm -> phase
     "direct-push": "push", "router-push-concurrent": "push", "router-push-sequential": "push",
     "direct-pull": "pull", "router-pull": "pull", "vllm-router-pull": "pull",
-    # A push pair whose decode leaves NIXL's notifications to vLLM's writer thread (DISAGG_PUSH_NOTIFY_ON_STEP=0):
-    # the plugin's end-of-step read (connector/plugin/push_notify.py) before and after, side by side.
+    # A push pair whose decode keeps vLLM's order at a step's end (DISAGG_PUSH_NOTIFY_ON_STEP=0), which reports a
+    # landed KV a step late: the plugin's end-of-step drain (connector/plugin/push_notify.py) before and after.
     "direct-push-writer": "push-writer", "router-push-writer": "push-writer",
     # Pairs that start a step's KV transfers after its forward, vLLM's order on CPU (DISAGG_KV_START_AT_BIND=0).
     "direct-push-late": "push-late", "direct-pull-late": "pull-late",

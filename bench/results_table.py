@@ -70,9 +70,9 @@ def _pd_serving(name: str, d: dict[str, Any]) -> Iterator[Row]:
         ("ttft_router_pull_over_mono", "P/D through our router / one plain engine TTFT", None),
     ]
     wanted += [("handoff_direct_push_over_direct_push_writer",
-                "push handoff, notifications read at each step end / on vLLM's writer thread (no router)", None),
+                "push handoff, landed KV reported in its step / a step later (vLLM's order; no router)", None),
                ("ttft_direct_push_over_direct_push_writer",
-                "push TTFT, notifications read at each step end / on vLLM's writer thread (no router)", None)]
+                "push TTFT, landed KV reported in its step / a step later (vLLM's order; no router)", None)]
     wanted += [("tpot_direct_push_over_direct_pull", "push / pull TPOT (no router)", None),
                ("tpot_push_concurrent_over_pull", "push / pull TPOT (through our router)", None)]
     for key, measure, goal in wanted:

@@ -102,7 +102,8 @@ class _DisaggMixin:
             log.info("disagg plugin: a step's KV transfers start before its forward (a CPU forward is synchronous)")
         if self._disagg.kv_mode == "push" and self._disagg.role == "decode" and self._disagg.push_notify_on_step \
                 and shim.notify_on_step() is not None:
-            log.info("disagg plugin: push decode reads NIXL notifications at the end of every engine step")
+            log.info("disagg plugin: push decode has its writer read NIXL notifications at the end of every "
+                     "engine step")
         if self._disagg.rendezvous_url is not None and self._prewarmer is None:
             self._prewarmer = PeerPrewarmer(shim, self._disagg)
             self._prewarmer.start()

@@ -59,8 +59,9 @@ class PluginSettings:
     not after it (`connectors._DisaggMixin.bind_connector_metadata`); `$DISAGG_KV_START_AT_BIND=0` keeps vLLM's
     order."""
     push_notify_on_step: bool = True
-    """Push decode: read NIXL's notifications at the end of every engine step (`push_notify`);
-    `$DISAGG_PUSH_NOTIFY_ON_STEP=0` leaves them to vLLM's writer thread (the benchmark's before/after arm)."""
+    """Push decode: have the writer read NIXL's notifications at the end of every engine step, before vLLM reads
+    what it forwarded (`push_notify`); `$DISAGG_PUSH_NOTIFY_ON_STEP=0` keeps vLLM's order (the benchmark's
+    before/after arm)."""
 
     def warmup_tokens(self) -> int:
         """Prompt length of the self warm-up (`advertiser.warm_up`): two and a half KV blocks unless

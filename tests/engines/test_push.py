@@ -94,11 +94,12 @@ class TestPush:
         assert log_lines(d, "warmed the WRITE path") == []
 
     def test_decode_reads_push_notifications_at_the_end_of_each_step(self, push_pair):
-        """The real push worker has the shape connector/plugin/push_notify.py wraps: decode reads NIXL's
-        notifications on its main thread (a landed KV counts in the step it landed in); prefill keeps vLLM's path."""
-        assert log_lines(push_pair.decode, "reads NIXL notifications at the end of every engine step")
+        """The real push worker has the shape connector/plugin/push_notify.py wraps: decode's writer reads NIXL's
+        notifications before the step's end reads its queue (a landed KV counts in the step it landed in); prefill
+        keeps vLLM's path."""
+        assert log_lines(push_pair.decode, "has its writer read NIXL notifications at the end of every engine step")
         assert log_lines(push_pair.decode, "notifications stay on vLLM's writer thread") == []
-        assert log_lines(push_pair.prefill, "reads NIXL notifications") == []
+        assert log_lines(push_pair.prefill, "read NIXL notifications") == []
         for engine in (push_pair.prefill, push_pair.decode):  # CPU engines: transfers start before the forward
             assert log_lines(engine, "KV transfers start before its forward")
 
