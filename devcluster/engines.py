@@ -158,6 +158,9 @@ class LocalEngine:
             **({"UCX_TLS": NETNS_UCX_TLS} if s.netns else {}),
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            # A native crash in a worker (NIXL, UCX, torch) otherwise ends it with no trace at all: the executor
+            # only sees it gone. Python's fault handler prints every thread's stack to the log first.
+            "PYTHONFAULTHANDLER": "1",
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
             **({"PYTHONPATH": str(s.plugin_dir), wire_env.ENGINE_ID: s.engine_id, wire_env.HTTP_PORT: str(s.port),
                 wire_env.ROLE: s.role or ""} if s.plugin_dir is not None else {}),
