@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHands
 
 from . import vllm_shim
 from .advertiser import EngineAdvertiser
+from .cpu_amx import request_amx
 from .nixl_progress import delay_from_env, progress_delay
 from .prewarm import PeerPrewarmer
 from .settings import PluginSettings
@@ -97,6 +98,12 @@ class _DisaggMixin:
         self._worker_shim = shim = WorkerShim.attach(vllm_shim.connector_worker(self))
         if shim is None:
             return
+        if self._disagg.cpu_engine:
+            import torch
+
+            said = request_amx(torch.cpu)
+            if said is not None:
+                log.info("disagg plugin: %s", said)
         self._disagg.transport = "+".join(shim.backends()) or None
         if self._disagg.start_loads_at_bind:
             log.info("disagg plugin: a step's KV transfers start before its forward (a CPU forward is synchronous)")

@@ -54,6 +54,9 @@ class PluginSettings:
     """Push prefill: WRITE the null block to each newly loaded decode (`write_warmup`);
     `$DISAGG_WRITE_WARMUP=0` turns it off (the benchmark's before/after arm)."""
 
+    cpu_engine: bool = False
+    """vLLM runs on the CPU (its device type): the worker asks for AMX tiles before its first forward
+    (`cpu_amx`)."""
     start_loads_at_bind: bool = False
     """CPU engines: start a step's KV transfers when vLLM binds its metadata, before the (synchronous) forward,
     not after it (`connectors._DisaggMixin.bind_connector_metadata`); `$DISAGG_KV_START_AT_BIND=0` keeps vLLM's
@@ -97,6 +100,7 @@ class PluginSettings:
             max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
             write_warmup=env.get(wire_env.WRITE_WARMUP, "1") != "0",
             push_notify_on_step=env.get(wire_env.PUSH_NOTIFY_ON_STEP, "1") != "0",
+            cpu_engine=_device(vllm_config) == "cpu",
             start_loads_at_bind=_device(vllm_config) == "cpu" and env.get(wire_env.KV_START_AT_BIND, "1") != "0")
 
     def compatible_peer(self, adv: Any) -> bool:

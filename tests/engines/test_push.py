@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -209,6 +210,24 @@ class TestPush:
         await_status(push_pair.router.url + "/health")
         status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[1]), timeout=60)
         assert status == 200 and text_of(resp) == reference[("completion", 1)]
+
+    def test_a_decode_whose_first_forward_is_one_token_serves(self, push_pair, reference):
+        """vLLM's CPU attention uses AMX tiles, which Linux grants only on request, and vLLM never asks: oneDNN
+        asks on a long forward's first matmul, a one-token forward never does. A one-token self warm-up makes the
+        restarted decode's first forward one token, as a push handoff's first decode step is; on an AMX CPU it
+        died of SIGILL unless the plugin asked first (connector/plugin/cpu_amx.py)."""
+        d = push_pair.decode
+        d.spec.extra_env = {**d.spec.extra_env, wire_env.WARMUP_TOKENS: "1"}
+        d.restart()
+        d.wait_ready()
+        amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+        assert bool(log_lines(d, "AMX tile permission granted before the first forward")) == amx
+        await_log(d, "warmed up with two requests of its own (1 prompt tokens")
+        await_advertised(push_pair.rendezvous.url, d.spec.engine_id)
+        await_status(push_pair.router.url + "/health")
+        status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[0]), timeout=60)
+        assert status == 200 and text_of(resp) == reference[("completion", 0)]
+        assert log_lines(d, "Illegal instruction") == []
 
     def test_dead_prefill_leaves_rotation_within_two_seconds(self, push_pair):
         url = push_pair.router.url

@@ -125,6 +125,8 @@ def test_compatible_peers_are_the_other_role_of_the_same_deployment_layout_and_m
 def test_kv_work_starts_before_the_forward_only_where_the_forward_is_synchronous():
     """CPU forwards run to their end before vLLM starts the step's transfers; accelerator launches return at once."""
     assert PluginSettings.from_vllm(vllm_config(device="cpu"), {}).start_loads_at_bind
+    assert PluginSettings.from_vllm(vllm_config(device="cpu"), {}).cpu_engine
+    assert not PluginSettings.from_vllm(vllm_config(device="cuda"), {}).cpu_engine
     assert not PluginSettings.from_vllm(vllm_config(device="cuda"), {}).start_loads_at_bind
     assert not PluginSettings.from_vllm(vllm_config(device="neuron"), {}).start_loads_at_bind
     assert not PluginSettings.from_vllm(vllm_config(device="cpu"), {"DISAGG_KV_START_AT_BIND": "0"}).start_loads_at_bind
