@@ -83,6 +83,7 @@ class PluginSettings:
         mode: KvMode = "push" if kv.kv_connector in PUSH_CONNECTORS else "pull"
         model = getattr(vllm_config.model_config, "model", "") or ""
         dtype = str(getattr(vllm_config.model_config, "dtype", ""))
+        cpu = _device(vllm_config) == "cpu"
         return cls(
             engine_id=kv.engine_id,
             role=_role(env.get(wire_env.ROLE) or ROLE_OF_KV_ROLE.get(kv.kv_role)),
@@ -100,8 +101,8 @@ class PluginSettings:
             max_model_len=int(getattr(vllm_config.model_config, "max_model_len", 0) or 0),
             write_warmup=env.get(wire_env.WRITE_WARMUP, "1") != "0",
             push_notify_on_step=env.get(wire_env.PUSH_NOTIFY_ON_STEP, "1") != "0",
-            cpu_engine=_device(vllm_config) == "cpu",
-            start_loads_at_bind=_device(vllm_config) == "cpu" and env.get(wire_env.KV_START_AT_BIND, "1") != "0")
+            cpu_engine=cpu,
+            start_loads_at_bind=cpu and env.get(wire_env.KV_START_AT_BIND, "1") != "0")
 
     def compatible_peer(self, adv: Any) -> bool:
         """A peer this engine may be paired with: the other role, same deployment, layout and transfer mode."""
