@@ -263,6 +263,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
             return  # deleted: owner references make the garbage collector remove the children
         t0 = time.monotonic()
         body, cr = entry.body, entry.cr
+        full = full or reconciler.drift_pending(key)
         if cr is None:
             metrics.RECONCILES.labels(trigger=label, result="invalid").inc()
             post_event(memo, kopf.warn, body, "InvalidSpec", str(entry.error))

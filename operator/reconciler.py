@@ -74,6 +74,14 @@ class StillThere:
         return self._answer
 
 
+def owner_of(child: Mapping[str, Any]) -> Key:
+    """The CR a child belongs to, from its labels (a cluster-scoped child names its CR's namespace in one)."""
+    meta = child.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    return (str(meta.get("namespace") or labels.get(names.LABEL_CR_NAMESPACE) or ""),
+            str(labels.get(names.LABEL_INSTANCE) or ""))
+
+
 def _now() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
@@ -124,6 +132,10 @@ class Reconciler:
         self.applied: dict[ChildKey, Applied] = {}
         self._drifted: set[ChildKey] = set()  # children the watch saw change under us since we applied them
         self._watched: dict[ChildKey, str] = {}  # the marker of the latest watch event of each live child
+        # Applies under way, with the markers the watch showed meanwhile: under load the echo of a write can be
+        # handled before the write's own response, and must not be taken for drift.
+        self._in_flight: dict[ChildKey, list[str]] = {}
+        self._drift_owners: set[Key] = set()  # CRs with a child found drifted after its apply returned
         self._token_secrets: set[str] = set()  # CR uids whose token Secret is known to exist
         self.bindings = BindingCollector(client, self.namespaces, self.log)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
@@ -140,6 +152,7 @@ class Reconciler:
         """Apply every child, unless `still_there` finds the CR deleted before the first write (`gone`); remember a
         refusal (`apply_error`) until a later pass applies them all."""
         key = (meta_namespace(cr), meta_name(cr))
+        self._drift_owners.discard(key)  # this pass applies whatever drifted
         try:
             outcome = await self._apply_children(cr, thorough, still_there or self.still_there(*key))
         except ApplyFailed as e:
@@ -302,8 +315,18 @@ class Reconciler:
         write is not taken for drift. The plan's applies and the rollout's both go through here."""
         key = child_key(obj)
         self._drifted.discard(key)  # before the write: a change seen while it is under way is still drift
-        stored, created = await self._apply(obj)
-        self.applied[key] = Applied(digest(obj), child_marker(stored))
+        self._in_flight[key] = []
+        try:
+            stored, created = await self._apply(obj)
+        finally:
+            seen = self._in_flight.pop(key)
+        marker = child_marker(stored)
+        self.applied[key] = Applied(digest(obj), marker)
+        # The watch is ordered: markers seen before our write's echo are older states our write replaced; one seen
+        # after it is a change under us. (An echo not seen yet arrives later and is matched as usual.)
+        if marker in seen and seen[-1] != marker:
+            self._drifted.add(key)
+            self._drift_owners.add(owner_of(obj))
         return stored, created
 
     async def _apply(self, obj: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -395,10 +418,18 @@ class Reconciler:
             self._watched.pop(key, None)
         else:
             self._watched[key] = child_marker(body)
+            if key in self._in_flight:  # judged when the apply returns (_apply_recorded)
+                self._in_flight[key].append(child_marker(body))
+                return False
             if self.is_own_echo(kind, body):
                 return False
         self._drifted.add(key)
         return True
+
+    def drift_pending(self, key: Key) -> bool:
+        """Whether a child of this CR was found changed under us once its apply returned: the next pass of the CR
+        must be a full one, whatever triggered it."""
+        return key in self._drift_owners
 
     # -- status ------------------------------------------------------------------------------------------
     async def publish_status(self, cr: api.DisaggregatedInference,
@@ -437,6 +468,7 @@ class Reconciler:
         self._transport_status.pop(key, None)
         self._revisions.pop(key, None)
         self._apply_errors.pop(key, None)
+        self._drift_owners.discard(key)
         self.rollout.forget(key)
 
 

@@ -230,3 +230,52 @@ def test_the_revision_is_rendered_once_per_version_of_the_cr(monkeypatch):
     assert rec.revision(v2) != first and calls == ["1", "2"], "a new version is rendered"
     rec.forget(("ml", "m"))
     assert rec.revision(v2) == rec.revision(v2) and calls == ["1", "2", "2"], "forgotten, it is rendered again"
+
+
+def _racing(r: Reconciler, during) -> list[str]:
+    """Give `r` an apply whose watch events arrive before its response: `during(answer)` returns the bodies the
+    watch shows while the request is under way, each handed to `child_changed` then."""
+    sent: list[str] = []
+
+    async def apply(obj):
+        sent.append(obj["metadata"]["name"])
+        answer = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(100 + len(sent))}}
+        for body in during(answer):
+            assert not r.child_changed(body["kind"], body), "judged only once the apply returns"
+        return answer, False
+
+    async def exists(*_):
+        return True
+
+    r._apply = apply  # type: ignore[method-assign]
+    r.exists = exists  # type: ignore[method-assign]
+    return sent
+
+
+def _with_rv(obj, rv: str) -> dict:
+    return {**obj, "metadata": {**obj["metadata"], "resourceVersion": rv}}
+
+
+def test_the_echo_of_an_apply_seen_before_its_response_is_not_drift():
+    r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
+    _racing(r, lambda answer: [_with_rv(answer, "99"), answer])  # an older state, then our own write
+    asyncio.run(r.apply_children(cr()))
+    assert r._drifted == set() and not r.drift_pending(("ml", "m"))
+
+
+def test_a_change_seen_after_the_echo_but_before_the_response_is_drift_and_makes_the_next_pass_full():
+    r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
+    foreign = {"ConfigMap"}
+
+    def during(answer):
+        return [answer, _with_rv(answer, "999")] if answer["kind"] in foreign else [answer]
+
+    sent = _racing(r, during)
+    asyncio.run(r.apply_children(cr()))
+    [configmap] = [k for k in r._drifted]
+    assert configmap[0] == "ConfigMap" and r.drift_pending(("ml", "m"))
+    foreign.clear()
+    sent.clear()
+    asyncio.run(r.apply_children(cr()))
+    assert sent == [configmap[2]], "the next full pass puts back what changed, and only that"
+    assert r._drifted == set() and not r.drift_pending(("ml", "m"))
