@@ -48,6 +48,7 @@ from disagg.devcluster import build
 from disagg.devcluster.cluster import ClusterConfig, LocalCluster, die_with_parent, free_port
 from disagg.devcluster.fleet import FleetSpec
 from disagg.operator import api, crdgen, names
+from disagg.operator.builders import build_children
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Dinf = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
@@ -68,6 +69,34 @@ def cr_manifest(i: int, namespace: str | None = None, prefix: str = "m") -> dict
         spec["kvTransfer"] = {"mode": "pull"}
     return {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
             "metadata": {"name": f"{prefix}{i:03d}", "namespace": namespace or f"bench-{i % NAMESPACES}"}, "spec": spec}
+
+
+def floor_children(i: int) -> list[dict]:
+    """What the operator would create for `cr_manifest(i)`, minus the owner reference to a CR that the floor never
+    creates (the garbage collector would delete every child of a missing owner)."""
+    children = build_children(api.DisaggregatedInference.model_validate(cr_manifest(i)))
+    for child in children:
+        child["metadata"].pop("ownerReferences", None)
+    return children
+
+
+WORKLOADS = ("StatefulSet", "Deployment")
+
+
+def workload_ready(obj) -> bool:
+    spec_replicas = obj.spec.replicas if obj.spec.replicas is not None else 1
+    st = obj.status
+    return st is not None and (st.observedGeneration or 0) >= (obj.metadata.generation or 0) and \
+        (st.readyReplicas or 0) >= spec_replicas and (st.updatedReplicas or 0) >= spec_replicas
+
+
+def component_cpu(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds each control-plane process has used so far, by component name."""
+    return {p.name: proc_usage(p.popen.pid)[0] for p in cluster.processes if p.popen is not None}
+
+
+def cpu_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before.get(k, 0.0), 1) for k in after}
 
 
 def pct(values: list[float], p: float) -> float:
@@ -224,6 +253,95 @@ def _epoch(ts: str) -> float:
     return dt.datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
 
 
+def run_floor(args: argparse.Namespace) -> dict:
+    """The control plane alone, on a fresh cluster of the same fleet: the bench server-side applies every child
+    the operator would create for the burst's CRs (from the operator's own builders, no operator running), then
+    waits until every StatefulSet and Deployment has all its replicas ready and updated. What is left of the
+    operator arm's time above this is the operator's."""
+    cluster = LocalCluster(ClusterConfig(name="bench-floor", fleet=FleetSpec.parse(args.fleet),
+                                         startup_timeout=300))
+    cluster.start(progress=lambda m: print(f"floor: {m}", file=sys.stderr, flush=True))
+    try:
+        client = Client(KubeConfig.from_file(cluster.kubeconfig))
+        for ns in (f"bench-{i}" for i in range(NAMESPACES)):
+            client.create(Namespace(metadata=ObjectMeta(name=ns)))
+        per_cr = [floor_children(i) for i in range(args.crs)]
+        expected = {(c[0]["metadata"]["namespace"], c[0]["metadata"]["labels"]["app.kubernetes.io/instance"]):
+                    sum(ch["kind"] in WORKLOADS for ch in c) for c in per_cr}
+        ready: dict[tuple[str, str], set[tuple[str, str]]] = {}
+        done_at: dict[tuple[str, str], float] = {}
+        applied: dict[tuple[str, str], float] = {}
+        all_ready = asyncio.Event()
+
+        async def watch(kind) -> None:
+            wclient = AsyncClient(KubeConfig.from_file(cluster.kubeconfig))
+            try:
+                async for _op, obj in wclient.watch(kind, namespace="*", labels=MANAGED):
+                    key = (obj.metadata.namespace, obj.metadata.labels.get("app.kubernetes.io/instance"))
+                    if key in done_at or not workload_ready(obj):
+                        continue
+                    ready.setdefault(key, set()).add((kind.__name__, obj.metadata.name))
+                    if len(ready[key]) == expected.get(key, -1):
+                        done_at[key] = time.monotonic()
+                        if len(done_at) == len(expected):
+                            all_ready.set()
+            finally:
+                await wclient.close()
+
+        async def burst() -> dict:
+            watches = [asyncio.create_task(watch(k)) for k in (StatefulSet, Deployment)]
+            await asyncio.sleep(0.5)  # let the watches open before the first apply
+            cpu0 = component_cpu(cluster)
+            aclient = AsyncClient(KubeConfig.from_file(cluster.kubeconfig))
+            slots = asyncio.Semaphore(args.create_concurrency)
+            t0 = time.monotonic()
+
+            async def apply_one(children: list[dict]) -> None:
+                async with slots:
+                    key = (children[0]["metadata"]["namespace"],
+                           children[0]["metadata"]["labels"]["app.kubernetes.io/instance"])
+                    applied[key] = time.monotonic()
+                    for child in children:
+                        await aclient.apply(codecs.from_dict(child), field_manager="bench-floor", force=True)
+
+            try:
+                await asyncio.gather(*(apply_one(c) for c in per_cr))
+                applied_all = time.monotonic() - t0
+                print(f"floor: applied the children of {args.crs} CRs in {applied_all:.1f}s", file=sys.stderr,
+                      flush=True)
+                try:
+                    await asyncio.wait_for(all_ready.wait(), args.timeout)
+                except TimeoutError:
+                    print(f"floor: {len(done_at)}/{args.crs} ready after {args.timeout}s", file=sys.stderr,
+                          flush=True)
+                return {"applied_all_seconds": round(applied_all, 2),
+                        "control_plane_cpu_seconds": cpu_delta(component_cpu(cluster), cpu0)}
+            finally:
+                await aclient.close()
+                for w in watches:
+                    w.cancel()
+                await asyncio.gather(*watches, return_exceptions=True)
+
+        out = asyncio.run(burst())
+        first = min(applied.values())
+        return {
+            "crs": args.crs,
+            "apply_concurrency": args.create_concurrency,
+            **{k: v for k, v in out.items() if k != "control_plane_cpu_seconds"},
+            "ready_seconds": spread([done_at[k] - applied[k] for k in done_at]),
+            "ready_crs": len(done_at),
+            "all_ready_seconds": (round(max(done_at.values()) - first, 2) if len(done_at) == len(expected)
+                                  else None),
+            "control_plane_cpu_seconds": out["control_plane_cpu_seconds"],
+        }
+    finally:
+        cluster.stop()
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"p50": pct(values, 50), "p99": pct(values, 99), "max": round(max(values), 3)} if values else {}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--crs", type=int, default=100, help="CRs created in the burst")
@@ -236,11 +354,15 @@ def main() -> None:
     p.add_argument("--resync-seconds", type=float, default=60)
     p.add_argument("--out", type=Path, default=RESULTS / "operator_scale.json")
     p.add_argument("--profile", type=Path, help="record the operator with py-spy during the burst (speedscope JSON)")
+    p.add_argument("--floor", action="store_true",
+                   help="first run the control plane alone on its own cluster: the burst's children applied by "
+                        "the bench, no operator (the floor the operator's time is judged against)")
     args = p.parse_args()
 
     build.ensure_built(quiet=True)
+    floor = run_floor(args) if args.floor else None
     cluster = LocalCluster(ClusterConfig(name="bench-scale", fleet=FleetSpec.parse(args.fleet), audit=True,
-                                         startup_timeout=300))
+                                         audit_users=(USER,), startup_timeout=300))
     cluster.start(progress=lambda m: print(m, file=sys.stderr, flush=True))
     operator = None
     try:
@@ -282,6 +404,7 @@ def main() -> None:
         marks: dict[str, float] = {"solo_from": time.time()}
         counters: dict[str, Counter] = {}
         profiler: list[subprocess.Popen] = []
+        burst_cpu: dict[str, float] = {}
 
         async def create(aclient: AsyncClient, manifest: dict, into: dict[tuple[str, str], float]) -> None:
             into[(manifest["metadata"]["namespace"], manifest["metadata"]["name"])] = time.monotonic()
@@ -305,6 +428,7 @@ def main() -> None:
                          "--format", "speedscope", "--output", str(args.profile), "--rate", "50"],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 marks["burst_from"], t0 = time.time(), time.monotonic()
+                cpu_from = component_cpu(cluster)
                 slots = asyncio.Semaphore(args.create_concurrency)
 
                 async def create_one(i: int) -> None:
@@ -321,6 +445,7 @@ def main() -> None:
                 except TimeoutError as e:  # still a result: how far it got, with all_ready_seconds null
                     print(f"burst: {e}", file=sys.stderr, flush=True)
                 marks["burst_to"] = time.time()
+                burst_cpu.update(cpu_delta(component_cpu(cluster), cpu_from))
                 counters["burst"] = operator_counters(metrics_port)
                 for prof in profiler:
                     prof.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -350,9 +475,6 @@ def main() -> None:
         after = snapshot(client)
         changed = sorted(k for k in before if after.get(k) != before[k])
         all_crs = args.crs + args.solo
-
-        def spread(values: list[float]) -> dict[str, float]:
-            return {"p50": pct(values, 50), "p99": pct(values, 99), "max": round(max(values), 3)} if values else {}
 
         result = {
             "benchmark": "operator_scale",
@@ -385,6 +507,8 @@ def main() -> None:
             "idle_objects_watched": len(before),
             "idle_requests_by_verb": by_verb(idle),
             "idle_requests_by_verb_and_resource": by_verb_and_resource(idle),
+            "burst_control_plane_cpu_seconds": burst_cpu,
+            "floor": floor,
             "burst_operator_counters": counter_delta(counters["burst"], counters["solo"]),
             "idle_operator_counters": counter_delta(counters["idle"], counters["burst"]),
         }
