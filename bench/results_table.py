@@ -166,6 +166,7 @@ def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
     else:
         yield Row("operator_scale", "all CRs Ready", d.get("all_ready_seconds"), "s", name, None,
                   Goal("<", ready_goal, "issue 15"), n)
+    yield from _operator_scale_floor(name, d, n)
     if d.get("created_all_seconds") is not None:
         yield Row("operator_scale", "the bench's creates alone", d["created_all_seconds"], "s", name, None, None,
                   f"{d.get('create_concurrency', 1)} at a time")
@@ -179,6 +180,27 @@ def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
                   f"no-op server-side applies in {d['idle_resync_window_seconds']} s; was 11 per round")
     yield Row("operator_scale", "objects changed by an idle resync", d.get("idle_objects_changed"), "objects",
               name, None, Goal("==", 0), f"of {d.get('idle_objects_watched')}")
+
+
+def _operator_scale_floor(name: str, d: dict[str, Any], n: str) -> Iterator[Row]:
+    """The operator's burst against the control plane alone (`--floor`): the same children applied by the bench
+    on a fresh cluster of the same fleet, no operator."""
+    floor = d.get("floor")
+    if not floor:
+        return
+    how = f"the same children applied by the bench, {floor.get('apply_concurrency')} CRs at a time; no operator"
+    yield Row("operator_scale", "control plane alone: all Ready", floor.get("all_ready_seconds"), "s", name, None,
+              None, f"{how}; {n}")
+    cpu = floor.get("control_plane_cpu_seconds") or {}
+    yield Row("operator_scale", "control plane alone: its CPU", round(sum(cpu.values()), 1), "core-s", name, None,
+              None, ", ".join(f"{k} {v:g}" for k, v in cpu.items()))
+    burst = d.get("burst_control_plane_cpu_seconds") or {}
+    if burst:
+        yield Row("operator_scale", "control plane's CPU with the operator", round(sum(burst.values()), 1), "core-s",
+                  name, None, None, ", ".join(f"{k} {v:g}" for k, v in burst.items()))
+    if d.get("all_ready_seconds") is not None and floor.get("all_ready_seconds"):
+        yield Row("operator_scale", "all Ready: with the operator / control plane alone",
+                  round(d["all_ready_seconds"] / floor["all_ready_seconds"], 3), "x", name, None, None, n)
 
 
 def _capacity(name: str, d: dict[str, Any]) -> Iterator[Row]:

@@ -127,3 +127,18 @@ def test_a_burst_the_bench_gave_up_on_fails_its_ready_goal(bench):
     gave_up = next(r for r in given_up if r.measure == "CRs Ready when the bench gave up")
     assert (gave_up.value, gave_up.met) == (990, False)
     assert not any(r.measure == "all CRs Ready" for r in given_up)
+
+
+def test_a_floor_run_shows_the_control_plane_alone_beside_the_operator(bench):
+    _, table = bench
+    result = {**operator_scale_result(1000, 1000),
+              "burst_control_plane_cpu_seconds": {"kube-apiserver": 300.0, "etcd": 50.0},
+              "floor": {"apply_concurrency": 8, "all_ready_seconds": 80.0,
+                        "control_plane_cpu_seconds": {"kube-apiserver": 200.0, "etcd": 40.5}}}
+    rows = {r.measure: r for r in table.rows({"operator_scale.json": result})}
+    assert rows["control plane alone: all Ready"].value == 80.0
+    assert rows["control plane alone: its CPU"].value == 240.5
+    assert rows["control plane's CPU with the operator"].value == 350.0
+    assert rows["all Ready: with the operator / control plane alone"].value == 1.25
+    without = {r.measure for r in table.rows({"operator_scale.json": operator_scale_result(1000, 1000)})}
+    assert not any(m.startswith("control plane") for m in without)
