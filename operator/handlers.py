@@ -125,10 +125,12 @@ class Indexes(TypedDict):
 def dinf_index(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Key, IndexedCR] | None:
     if namespace is None:
         return None
-    # A shallow copy of the watched object, which kopf replaces in place; the cast: RawBody is kopf's type for
-    # an object as the apiserver sends it (its RawMeta names only the metadata fields kopf reads).
+    # A shallow copy of the watched object, which kopf replaces in place, without its managedFields: nothing
+    # reads them, and the index keeps one copy per CR for as long as the operator runs. The cast: RawBody is
+    # kopf's type for an object as the apiserver sends it (its RawMeta names only the metadata fields kopf reads).
+    metadata = {k: v for k, v in body.metadata.items() if k != "managedFields"}
     raw = cast(kopf.RawBody, {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                              "metadata": dict(body.metadata), "spec": dict(body.spec),
+                              "metadata": metadata, "spec": dict(body.spec),
                               "status": dict(body.get("status") or {})})
     return {(namespace, name): parse_cr(raw)}
 
@@ -514,6 +516,18 @@ async def poll_transports_forever(memo: kopf.Memo, interval: float) -> None:
             transports.request(key, force=True)
 
 
+STATUS_KINDS = frozenset({"StatefulSet", "Deployment"})  # the children whose state status reads (observe)
+
+
+def child_event_pass(kind: str, changed: bool) -> bool | None:
+    """The pass a child's watch event asks for: full when the child changed under us (a hand edit, a deletion:
+    the plan puts it back); a status pass for our own echo or a status-only change of a kind status reads;
+    otherwise none (a Service's echo, a PodDisruptionBudget's status: nothing the CR reports moved)."""
+    if changed:
+        return True
+    return False if kind in STATUS_KINDS else None
+
+
 def _register_child(kind: str, group: str, version: str, plural: str) -> None:
     @kopf.on.event(group, version, plural, labels=MANAGED, id=f"child-{plural}")
     async def child_event(type: str | None, body: kopf.Body, namespace: str | None, labels: kopf.Labels,
@@ -524,11 +538,10 @@ def _register_child(kind: str, group: str, version: str, plural: str) -> None:
         reconciler: Reconciler = memo.reconciler
         if type == "DELETED" and not await reconciler.exists(namespace, owner):
             return  # the garbage collector is removing the children of a deleted CR: do not recreate them
-        # Our own apply echoing back, or a status-only change: refresh status. Anything else (a hand edit, a
-        # deletion) means the child no longer matches the spec: put it back (the plan applies it).
-        changed = reconciler.child_changed(kind, dict(body), deleted=type == "DELETED")
-        await run_pass(memo, namespace, owner, full=changed, trigger=f"{kind}-event", logger=logger,
-                       **_indexes(memo, kw))
+        full = child_event_pass(kind, reconciler.child_changed(kind, dict(body), deleted=type == "DELETED"))
+        if full is not None:
+            await run_pass(memo, namespace, owner, full=full, trigger=f"{kind}-event", logger=logger,
+                           **_indexes(memo, kw))
 
 
 for _kind, (_g, _v, _p) in CHILD_KINDS.items():
