@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
@@ -69,6 +70,48 @@ def cr_manifest(i: int, namespace: str | None = None, prefix: str = "m") -> dict
         spec["kvTransfer"] = {"mode": "pull"}
     return {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": api.KIND,
             "metadata": {"name": f"{prefix}{i:03d}", "namespace": namespace or f"bench-{i % NAMESPACES}"}, "spec": spec}
+
+
+def profile_apiserver_later(cluster: LocalCluster, out: Path | None, delay: float = 60,
+                            seconds: int = 60) -> threading.Thread | None:
+    """In the background: after `delay` s, record `seconds` s of the apiserver's CPU profile (pprof) into `out`."""
+    if out is None:
+        return None
+
+    def record() -> None:
+        time.sleep(delay)
+        with out.open("wb") as f:
+            subprocess.run([str(cluster.bin / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "get", "--raw",
+                            f"/debug/pprof/profile?seconds={seconds}"], stdout=f, check=False,
+                           timeout=seconds + 60)
+
+    thread = threading.Thread(target=record, daemon=True)
+    thread.start()
+    return thread
+
+
+def apiserver_requests(cluster: LocalCluster) -> Counter:
+    """Requests the apiserver has served so far, keyed "VERB resource[/subresource]" (its own counters)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = subprocess.run([str(cluster.bin / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "get", "--raw",
+                           "/metrics"], capture_output=True, text=True, check=True, timeout=60).stdout
+    out: Counter = Counter()
+    for family in text_string_to_metric_families(text):
+        if family.name != "apiserver_request":
+            continue
+        for sample in family.samples:
+            if sample.name == "apiserver_request_total":
+                lb = sample.labels
+                sub = f"/{lb['subresource']}" if lb.get("subresource") else ""
+                out[f"{lb.get('verb')} {lb.get('resource')}{sub}"] += int(sample.value)
+    return out
+
+
+def top_requests(after: Counter, before: Counter, n: int = 25) -> dict[str, int]:
+    """The `n` most frequent requests between two `apiserver_requests` readings."""
+    delta = Counter({k: after[k] - before.get(k, 0) for k in after})
+    return {k: v for k, v in delta.most_common(n) if v > 0}
 
 
 def floor_children(i: int) -> list[dict]:
@@ -259,7 +302,7 @@ def run_floor(args: argparse.Namespace) -> dict:
     waits until every StatefulSet and Deployment has all its replicas ready and updated. What is left of the
     operator arm's time above this is the operator's."""
     cluster = LocalCluster(ClusterConfig(name="bench-floor", fleet=FleetSpec.parse(args.fleet),
-                                         startup_timeout=300))
+                                         profiling=args.apiserver_profile is not None, startup_timeout=300))
     cluster.start(progress=lambda m: print(f"floor: {m}", file=sys.stderr, flush=True))
     try:
         client = Client(KubeConfig.from_file(cluster.kubeconfig))
@@ -291,10 +334,12 @@ def run_floor(args: argparse.Namespace) -> dict:
         async def burst() -> dict:
             watches = [asyncio.create_task(watch(k)) for k in (StatefulSet, Deployment)]
             await asyncio.sleep(0.5)  # let the watches open before the first apply
-            cpu0 = component_cpu(cluster)
+            cpu0, requests0 = component_cpu(cluster), apiserver_requests(cluster)
             aclient = AsyncClient(KubeConfig.from_file(cluster.kubeconfig))
             slots = asyncio.Semaphore(args.create_concurrency)
             t0 = time.monotonic()
+            profiling = profile_apiserver_later(
+                cluster, args.apiserver_profile and args.apiserver_profile.with_suffix(".floor.pprof"))
 
             async def apply_one(children: list[dict]) -> None:
                 async with slots:
@@ -314,8 +359,11 @@ def run_floor(args: argparse.Namespace) -> dict:
                 except TimeoutError:
                     print(f"floor: {len(done_at)}/{args.crs} ready after {args.timeout}s", file=sys.stderr,
                           flush=True)
+                if profiling is not None:
+                    profiling.join()
                 return {"applied_all_seconds": round(applied_all, 2),
-                        "control_plane_cpu_seconds": cpu_delta(component_cpu(cluster), cpu0)}
+                        "control_plane_cpu_seconds": cpu_delta(component_cpu(cluster), cpu0),
+                        "apiserver_requests": top_requests(apiserver_requests(cluster), requests0)}
             finally:
                 await aclient.close()
                 for w in watches:
@@ -327,12 +375,13 @@ def run_floor(args: argparse.Namespace) -> dict:
         return {
             "crs": args.crs,
             "apply_concurrency": args.create_concurrency,
-            **{k: v for k, v in out.items() if k != "control_plane_cpu_seconds"},
+            **{k: v for k, v in out.items() if k not in ("control_plane_cpu_seconds", "apiserver_requests")},
             "ready_seconds": spread([done_at[k] - applied[k] for k in done_at]),
             "ready_crs": len(done_at),
             "all_ready_seconds": (round(max(done_at.values()) - first, 2) if len(done_at) == len(expected)
                                   else None),
             "control_plane_cpu_seconds": out["control_plane_cpu_seconds"],
+            "apiserver_requests": out["apiserver_requests"],
         }
     finally:
         cluster.stop()
@@ -354,6 +403,9 @@ def main() -> None:
     p.add_argument("--resync-seconds", type=float, default=60)
     p.add_argument("--out", type=Path, default=RESULTS / "operator_scale.json")
     p.add_argument("--profile", type=Path, help="record the operator with py-spy during the burst (speedscope JSON)")
+    p.add_argument("--apiserver-profile", type=Path,
+                   help="record a CPU profile of the apiserver (pprof) for 60 s of the burst, from 60 s after "
+                        "its first create, in both arms; the floor's goes next to it with a .floor suffix")
     p.add_argument("--floor", action="store_true",
                    help="first run the control plane alone on its own cluster: the burst's children applied by "
                         "the bench, no operator (the floor the operator's time is judged against)")
@@ -362,7 +414,8 @@ def main() -> None:
     build.ensure_built(quiet=True)
     floor = run_floor(args) if args.floor else None
     cluster = LocalCluster(ClusterConfig(name="bench-scale", fleet=FleetSpec.parse(args.fleet), audit=True,
-                                         audit_users=(USER,), startup_timeout=300))
+                                         audit_users=(USER,), profiling=args.apiserver_profile is not None,
+                                         startup_timeout=300))
     cluster.start(progress=lambda m: print(m, file=sys.stderr, flush=True))
     operator = None
     try:
@@ -405,6 +458,7 @@ def main() -> None:
         counters: dict[str, Counter] = {}
         profiler: list[subprocess.Popen] = []
         burst_cpu: dict[str, float] = {}
+        burst_requests: dict[str, int] = {}
 
         async def create(aclient: AsyncClient, manifest: dict, into: dict[tuple[str, str], float]) -> None:
             into[(manifest["metadata"]["namespace"], manifest["metadata"]["name"])] = time.monotonic()
@@ -428,7 +482,8 @@ def main() -> None:
                          "--format", "speedscope", "--output", str(args.profile), "--rate", "50"],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 marks["burst_from"], t0 = time.time(), time.monotonic()
-                cpu_from = component_cpu(cluster)
+                cpu_from, requests_from = component_cpu(cluster), apiserver_requests(cluster)
+                profile_apiserver_later(cluster, args.apiserver_profile)
                 slots = asyncio.Semaphore(args.create_concurrency)
 
                 async def create_one(i: int) -> None:
@@ -446,6 +501,7 @@ def main() -> None:
                     print(f"burst: {e}", file=sys.stderr, flush=True)
                 marks["burst_to"] = time.time()
                 burst_cpu.update(cpu_delta(component_cpu(cluster), cpu_from))
+                burst_requests.update(top_requests(apiserver_requests(cluster), requests_from))
                 counters["burst"] = operator_counters(metrics_port)
                 for prof in profiler:
                     prof.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
@@ -508,6 +564,7 @@ def main() -> None:
             "idle_requests_by_verb": by_verb(idle),
             "idle_requests_by_verb_and_resource": by_verb_and_resource(idle),
             "burst_control_plane_cpu_seconds": burst_cpu,
+            "burst_apiserver_requests": burst_requests,
             "floor": floor,
             "burst_operator_counters": counter_delta(counters["burst"], counters["solo"]),
             "idle_operator_counters": counter_delta(counters["idle"], counters["burst"]),

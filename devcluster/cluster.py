@@ -140,6 +140,8 @@ class ClusterConfig:
     # Log only these users' requests (empty: everyone's). Logging every request of a large kwok fleet (each node
     # renews its lease every 10 s) costs the apiserver CPU that a benchmark is measuring something else with.
     audit_users: tuple[str, ...] = ()
+    # Serve the apiserver's /debug/pprof (admin only): benchmarks profile where the control plane's CPU goes.
+    profiling: bool = False
     # Also run a real node (devcluster/node): kubelet, containerd, CNI, kube-proxy and CoreDNS on this host.
     real_node: bool = False
 
@@ -286,7 +288,7 @@ class LocalCluster:
             # EFA pods need privileged or IPC_LOCK; the apiserver must allow the former to test it.
             "--allow-privileged=true",
             f"--cert-dir={self.dir / 'apiserver-certs'}",
-            "--profiling=false", "--v=1",
+            f"--profiling={str(self.config.profiling).lower()}", "--v=1",
             *self._audit_flags(),
         ])
         self._await(p, lambda: self._get(f"{self.server}/readyz", c.admin_token, self._tls()) == b"ok", "ready")
