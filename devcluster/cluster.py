@@ -142,6 +142,12 @@ class ClusterConfig:
     audit_users: tuple[str, ...] = ()
     # Serve the apiserver's /debug/pprof (admin only): benchmarks profile where the control plane's CPU goes.
     profiling: bool = False
+    # The kwok nodes' lease duration (they renew it every quarter of it), and how long the node-lifecycle
+    # controller waits for a renewal before it marks a node Unknown and taints it. The defaults are a kubelet's.
+    # A large fleet on two cores cannot renew at that rate under load: its leases lapse, the nodes flap and
+    # kwok re-patches them, which loads the control plane further. Benchmarks of large fleets lengthen both.
+    node_lease_seconds: int = 40
+    node_monitor_grace_seconds: int = 50
     # Also run a real node (devcluster/node): kubelet, containerd, CNI, kube-proxy and CoreDNS on this host.
     real_node: bool = False
 
@@ -341,6 +347,7 @@ class LocalCluster:
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--v=1",
             # The default 20 QPS makes pod creation, not the operator, the bottleneck of a 100-CR benchmark.
             "--kube-api-qps=200", "--kube-api-burst=400",
+            f"--node-monitor-grace-period={self.config.node_monitor_grace_seconds}s",
         ])
         sched = self._spawn("kube-scheduler", [
             str(self.bin / "kube-scheduler"), f"--kubeconfig={kc}", "--leader-elect=false",
@@ -350,7 +357,8 @@ class LocalCluster:
         kwok = self._spawn("kwok", [
             str(self.bin / "kwok"), f"--kubeconfig={kc}", f"--config={STAGES_FILE}",
             "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            f"--server-address=127.0.0.1:{kwok_port}", "--node-lease-duration-seconds=40",
+            f"--server-address=127.0.0.1:{kwok_port}",
+            f"--node-lease-duration-seconds={self.config.node_lease_seconds}",
             "--cidr=10.244.0.0/16",
         ])
         self._await(kcm, lambda: self._get(f"https://127.0.0.1:{kcm_port}/healthz") == b"ok", "healthy")
