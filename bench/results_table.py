@@ -188,7 +188,8 @@ def _operator_scale_floor(name: str, d: dict[str, Any], n: str) -> Iterator[Row]
     floor = d.get("floor")
     if not floor:
         return
-    how = f"the same children applied by the bench, {floor.get('apply_concurrency')} CRs at a time; no operator"
+    at_once = floor.get("apply_concurrency")
+    how = f"the same children applied by the bench, {at_once} CR{'' if at_once == 1 else 's'} at a time; no operator"
     yield Row("operator_scale", "control plane alone: all Ready", floor.get("all_ready_seconds"), "s", name, None,
               None, f"{how}; {n}")
     cpu = floor.get("control_plane_cpu_seconds") or {}
