@@ -36,6 +36,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import result_file
 from lightkube import AsyncClient, Client, KubeConfig, codecs
@@ -50,6 +51,7 @@ from disagg.devcluster.cluster import ClusterConfig, LocalCluster, die_with_pare
 from disagg.devcluster.fleet import FleetSpec
 from disagg.operator import api, crdgen, names
 from disagg.operator.builders import build_children
+from disagg.operator.status import workload_state
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Dinf = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
@@ -77,6 +79,12 @@ def cr_manifest(i: int, namespace: str | None = None, prefix: str = "m") -> dict
             "metadata": {"name": f"{prefix}{i:03d}", "namespace": namespace or f"bench-{i % NAMESPACES}"}, "spec": spec}
 
 
+def kubectl_raw(cluster: LocalCluster, path: str, timeout: float, **run: Any) -> subprocess.CompletedProcess:
+    """`kubectl get --raw PATH` as the cluster's admin."""
+    return subprocess.run([str(cluster.bin / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "get", "--raw", path],
+                          timeout=timeout, **run)
+
+
 def profile_apiserver_later(cluster: LocalCluster, out: Path | None, delay: float = 60,
                             seconds: int = 60) -> threading.Thread | None:
     """In the background: after `delay` s, record `seconds` s of the apiserver's CPU profile (pprof) into `out`."""
@@ -86,9 +94,7 @@ def profile_apiserver_later(cluster: LocalCluster, out: Path | None, delay: floa
     def record() -> None:
         time.sleep(delay)
         with out.open("wb") as f:
-            subprocess.run([str(cluster.bin / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "get", "--raw",
-                            f"/debug/pprof/profile?seconds={seconds}"], stdout=f, check=False,
-                           timeout=seconds + 60)
+            kubectl_raw(cluster, f"/debug/pprof/profile?seconds={seconds}", seconds + 60, stdout=f, check=False)
 
     thread = threading.Thread(target=record, daemon=True)
     thread.start()
@@ -99,8 +105,7 @@ def apiserver_requests(cluster: LocalCluster) -> Counter:
     """Requests the apiserver has served so far, keyed "VERB resource[/subresource]" (its own counters)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = subprocess.run([str(cluster.bin / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "get", "--raw",
-                           "/metrics"], capture_output=True, text=True, check=True, timeout=60).stdout
+    text = kubectl_raw(cluster, "/metrics", 60, capture_output=True, text=True, check=True).stdout
     out: Counter = Counter()
     for family in text_string_to_metric_families(text):
         if family.name != "apiserver_request":
@@ -115,8 +120,7 @@ def apiserver_requests(cluster: LocalCluster) -> Counter:
 
 def top_requests(after: Counter, before: Counter, n: int = 25) -> dict[str, int]:
     """The `n` most frequent requests between two `apiserver_requests` readings."""
-    delta = Counter({k: after[k] - before.get(k, 0) for k in after})
-    return {k: v for k, v in delta.most_common(n) if v > 0}
+    return {k: v for k, v in Counter(counter_delta(after, before)).most_common(n) if v > 0}
 
 
 def floor_children(i: int) -> list[dict]:
@@ -131,11 +135,9 @@ def floor_children(i: int) -> list[dict]:
 WORKLOADS = ("StatefulSet", "Deployment")
 
 
-def workload_ready(obj) -> bool:
-    spec_replicas = obj.spec.replicas if obj.spec.replicas is not None else 1
-    st = obj.status
-    return st is not None and (st.observedGeneration or 0) >= (obj.metadata.generation or 0) and \
-        (st.readyReplicas or 0) >= spec_replicas and (st.updatedReplicas or 0) >= spec_replicas
+def instance_of(child: dict) -> tuple[str, str]:
+    """(namespace, CR name) of a manifest the builders made."""
+    return child["metadata"]["namespace"], child["metadata"]["labels"][names.LABEL_INSTANCE]
 
 
 def component_cpu(cluster: LocalCluster) -> dict[str, float]:
@@ -315,8 +317,7 @@ def run_floor(args: argparse.Namespace) -> dict:
         for ns in (f"bench-{i}" for i in range(NAMESPACES)):
             client.create(Namespace(metadata=ObjectMeta(name=ns)))
         per_cr = [floor_children(i) for i in range(args.crs)]
-        expected = {(c[0]["metadata"]["namespace"], c[0]["metadata"]["labels"]["app.kubernetes.io/instance"]):
-                    sum(ch["kind"] in WORKLOADS for ch in c) for c in per_cr}
+        expected = {instance_of(c[0]): sum(ch["kind"] in WORKLOADS for ch in c) for c in per_cr}
         ready: dict[tuple[str, str], set[tuple[str, str]]] = {}
         done_at: dict[tuple[str, str], float] = {}
         applied: dict[tuple[str, str], float] = {}
@@ -326,8 +327,9 @@ def run_floor(args: argparse.Namespace) -> dict:
             wclient = AsyncClient(KubeConfig.from_file(cluster.kubeconfig))
             try:
                 async for _op, obj in wclient.watch(kind, namespace="*", labels=MANAGED):
-                    key = (obj.metadata.namespace, obj.metadata.labels.get("app.kubernetes.io/instance"))
-                    if key in done_at or not workload_ready(obj):
+                    key = (obj.metadata.namespace, obj.metadata.labels.get(names.LABEL_INSTANCE))
+                    # Ready as the operator's status counts it (all replicas ready and updated, generation seen).
+                    if key in done_at or not workload_state(obj.to_dict()).settled:
                         continue
                     ready.setdefault(key, set()).add((kind.__name__, obj.metadata.name))
                     if len(ready[key]) == expected.get(key, -1):
@@ -349,9 +351,7 @@ def run_floor(args: argparse.Namespace) -> dict:
 
             async def apply_one(children: list[dict]) -> None:
                 async with slots:
-                    key = (children[0]["metadata"]["namespace"],
-                           children[0]["metadata"]["labels"]["app.kubernetes.io/instance"])
-                    applied[key] = time.monotonic()
+                    applied[instance_of(children[0])] = time.monotonic()
                     for child in children:
                         await aclient.apply(codecs.from_dict(child), field_manager="bench-floor", force=True)
 
@@ -381,7 +381,7 @@ def run_floor(args: argparse.Namespace) -> dict:
         return {
             "crs": args.crs,
             "apply_concurrency": args.create_concurrency,
-            **{k: v for k, v in out.items() if k not in ("control_plane_cpu_seconds", "apiserver_requests")},
+            "applied_all_seconds": out["applied_all_seconds"],
             "ready_seconds": spread([done_at[k] - applied[k] for k in done_at]),
             "ready_crs": len(done_at),
             "all_ready_seconds": (round(max(done_at.values()) - first, 2) if len(done_at) == len(expected)
