@@ -417,9 +417,9 @@ class Reconciler:
         if deleted:
             self._watched.pop(key, None)
         else:
-            self._watched[key] = child_marker(body)
+            marker = self._watched[key] = child_marker(body)
             if key in self._in_flight:  # judged when the apply returns (_apply_recorded)
-                self._in_flight[key].append(child_marker(body))
+                self._in_flight[key].append(marker)
                 return False
             if self.is_own_echo(kind, body):
                 return False
