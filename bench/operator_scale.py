@@ -12,7 +12,11 @@ Reports, as JSON (stdout and `--out`, default bench/results/operator_scale.json)
   own user, so no client-side counting is trusted);
 - operator CPU seconds and peak RSS;
 - requests and writes during an idle resync pass, by verb and resource (should be no writes; a no-op
-  server-side apply is a PATCH that writes nothing, so PATCHes per CR measure what the resync still verifies);
+  server-side apply is a PATCH that writes nothing, so PATCHes per CR measure what the resync still verifies).
+  The window opens once every CR has had its first rendezvous answer (TransportVerified no longer
+  AwaitingRendezvous): that answer is the burst's last status change, not the resync's. Objects changed in it
+  are counted twice: all of them (the controllers may still be settling the burst) and those the operator wrote
+  (the audit log names what it wrote; the goal is none);
 - the operator's own count of child applies by kind and why its plan sent them (new, changed, drifted, verify),
   for the burst and for the idle window, and its reconcile passes by trigger.
 
@@ -34,7 +38,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +55,7 @@ from disagg.devcluster.cluster import ClusterConfig, LocalCluster, die_with_pare
 from disagg.devcluster.fleet import FleetSpec
 from disagg.operator import api, crdgen, names
 from disagg.operator.builders import build_children
-from disagg.operator.status import workload_state
+from disagg.operator.status import TRANSPORT_VERIFIED, workload_state
 
 RESULTS = Path(__file__).resolve().parent / "results"
 Dinf = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
@@ -61,6 +65,7 @@ NAMESPACES = 10
 SOLO_NAMESPACE = "bench-solo"
 USER = "disagg-operator"
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
+AWAITING = "AwaitingRendezvous"  # TransportVerified's reason before the operator's first rendezvous answer
 # Both arms: kwok nodes renew their leases every 50 s and a node is Unknown after 300 s without one. At a
 # kubelet's 10 s, 2,000 nodes need 200 renewals/s; under the burst this bed renewed 32-46/s, leases lapsed, the
 # node-lifecycle controller marked nodes Unknown, kwok re-patched them (9,102 node patches in one burst), and that
@@ -164,6 +169,7 @@ class Observer:
         self.children: dict[tuple[str, str], set[tuple[str, str]]] = {}
         self.complete: dict[tuple[str, str], float] = {}
         self.ready: dict[tuple[str, str], float] = {}
+        self.answered: set[tuple[str, str]] = set()  # CRs whose TransportVerified has left AwaitingRendezvous
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -199,6 +205,10 @@ class Observer:
             if key not in self.ready and any(c["type"] == "Ready" and c["status"] == "True" for c in conds):
                 self.ready[key] = time.monotonic()
                 self._notify()
+            if key not in self.answered and any(c["type"] == TRANSPORT_VERIFIED and c.get("reason") != AWAITING
+                                                for c in conds):
+                self.answered.add(key)
+                self._notify()
 
     async def until(self, done: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
         """Return once `done()` holds; raise if a watch ends or `timeout` passes. Prints `what()` every 15 s."""
@@ -223,12 +233,12 @@ class Observer:
 
 
 def snapshot(client: Client) -> dict[tuple[str, str, str], str]:
-    """resourceVersion of every CR and every child, by (kind, namespace, name)."""
+    """resourceVersion of every CR and every child, by (resource, namespace, name) as the audit log names them."""
     out = {}
     for kind in (Dinf, *CHILD_KINDS):
         for obj in client.list(kind, namespace="*"):
             if kind is Dinf or (obj.metadata.labels or {}).get(names.LABEL_MANAGED_BY) == names.MANAGED_BY:
-                out[(kind.__name__, obj.metadata.namespace, obj.metadata.name)] = obj.metadata.resourceVersion
+                out[(kind._api_info.plural, obj.metadata.namespace, obj.metadata.name)] = obj.metadata.resourceVersion
     return out
 
 
@@ -240,9 +250,8 @@ def proc_usage(pid: int) -> tuple[float, int]:
     return round(cpu, 2), hwm // 1024
 
 
-def audit_counts(log: Path, user: str, since: float = 0.0, until: float = float("inf")) -> Counter:
-    """`user`'s requests by (verb, resource), from the audit log, received in [since, until) (epoch seconds)."""
-    counts: Counter = Counter()
+def audit_events(log: Path, user: str, since: float = 0.0, until: float = float("inf")) -> Iterator[dict]:
+    """`user`'s requests from the audit log, each once, received in [since, until) (epoch seconds)."""
     with log.open() as f:
         for line in f:
             if not line.endswith("\n"):
@@ -252,10 +261,22 @@ def audit_counts(log: Path, user: str, since: float = 0.0, until: float = float(
             counted = "ResponseStarted" if ev["verb"] == "watch" else "ResponseComplete"
             if ev.get("user", {}).get("username") != user or ev.get("stage") != counted:
                 continue
-            if not since <= _epoch(ev["requestReceivedTimestamp"]) < until:
-                continue
-            counts[(ev["verb"], ev.get("objectRef", {}).get("resource", ""))] += 1
-    return counts
+            if since <= _epoch(ev["requestReceivedTimestamp"]) < until:
+                yield ev
+
+
+def audit_counts(log: Path, user: str, since: float = 0.0, until: float = float("inf")) -> Counter:
+    """`user`'s requests by (verb, resource), from the audit log, received in [since, until) (epoch seconds)."""
+    return Counter((ev["verb"], ev.get("objectRef", {}).get("resource", ""))
+                   for ev in audit_events(log, user, since, until))
+
+
+def audit_writes(log: Path, user: str, since: float, until: float) -> set[tuple[str, str, str]]:
+    """(resource, namespace, name) of every object `user` wrote to (create, update, patch, delete; any
+    subresource) in [since, until). A write request may change nothing (a no-op apply): this is what was sent."""
+    return {(ref.get("resource", ""), ref.get("namespace", ""), ref.get("name", ""))
+            for ev in audit_events(log, user, since, until)
+            if ev["verb"] in ("create", "update", "patch", "delete") for ref in [ev.get("objectRef", {})]}
 
 
 def by_verb(counts: Counter) -> dict[str, int]:
@@ -485,7 +506,8 @@ def main() -> None:
                 if args.profile:
                     profiler.append(subprocess.Popen(
                         [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(operator.pid),
-                         "--format", "speedscope", "--output", str(args.profile), "--rate", "50"],
+                         "--format", "speedscope", "--output", str(args.profile), "--rate", "50",
+                         "--gil"],  # the threads that run Python: ones blocked in a name lookup are not its CPU
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
                 marks["burst_from"], t0 = time.time(), time.monotonic()
                 cpu_from, requests_from = component_cpu(cluster), apiserver_requests(cluster)
@@ -512,6 +534,14 @@ def main() -> None:
                 for prof in profiler:
                     prof.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
                     prof.wait(60)
+                every = [*solo_created, *created]
+                try:
+                    await obs.until(lambda: all(k in obs.answered for k in every), 120,
+                                    lambda: f"{sum(k in obs.answered for k in every)}/{len(every)} CRs have had "
+                                            "their first rendezvous answer")
+                except TimeoutError as e:  # the idle window then holds the rest of those answers
+                    print(f"before the idle window: {e}", file=sys.stderr, flush=True)
+                counters["settled"] = operator_counters(metrics_port)
             finally:
                 await aclient.close()
 
@@ -532,10 +562,12 @@ def main() -> None:
         before = snapshot(client)
         idle_from = time.time()
         time.sleep(args.resync_seconds + 5)
-        idle = audit_counts(audit, USER, since=idle_from, until=time.time())
+        idle_to = time.time()
+        idle = audit_counts(audit, USER, since=idle_from, until=idle_to)
         counters["idle"] = operator_counters(metrics_port)
         after = snapshot(client)
-        changed = sorted(k for k in before if after.get(k) != before[k])
+        changed = {k for k in before if after.get(k) != before[k]}
+        changed_by_operator = changed & audit_writes(audit, USER, idle_from, idle_to)
         all_crs = args.crs + args.solo
 
         result = {
@@ -566,6 +598,7 @@ def main() -> None:
             "idle_patches_per_cr": round(by_verb(idle).get("patch", 0) / all_crs, 2),
             "idle_child_patches_per_cr": idle_child_patches_per_cr(idle, all_crs),
             "idle_objects_changed": len(changed),
+            "idle_objects_changed_by_operator": len(changed_by_operator),
             "idle_objects_watched": len(before),
             "idle_requests_by_verb": by_verb(idle),
             "idle_requests_by_verb_and_resource": by_verb_and_resource(idle),
@@ -573,7 +606,7 @@ def main() -> None:
             "burst_apiserver_requests": burst_requests,
             "floor": floor,
             "burst_operator_counters": counter_delta(counters["burst"], counters["solo"]),
-            "idle_operator_counters": counter_delta(counters["idle"], counters["burst"]),
+            "idle_operator_counters": counter_delta(counters["idle"], counters["settled"]),
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(result_file.dumps(result) + "\n")

@@ -142,3 +142,16 @@ def test_a_floor_run_shows_the_control_plane_alone_beside_the_operator(bench):
     assert rows["all Ready: with the operator / control plane alone"].value == 1.25
     without = {r.measure for r in table.rows({"operator_scale.json": operator_scale_result(1000, 1000)})}
     assert not any(m.startswith("control plane") for m in without)
+
+
+def test_the_idle_goal_judges_the_operators_writes_not_the_controllers(bench):
+    _, table = bench
+    result = {**operator_scale_result(1000, 1000), "idle_objects_watched": 12000, "idle_objects_changed": 599,
+              "idle_objects_changed_by_operator": 0}
+    rows = {r.measure: r for r in table.rows({"operator_scale.json": result})}
+    assert rows["objects the operator changed in an idle resync"].met is True
+    anyone = rows["objects anyone changed in that window"]
+    assert (anyone.value, anyone.goal) == (599, None)
+    del result["idle_objects_changed_by_operator"]  # a result from before the audit log named the writer
+    older = {r.measure: r for r in table.rows({"operator_scale.json": result})}
+    assert older["objects changed by an idle resync"].met is False
