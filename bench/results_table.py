@@ -116,9 +116,38 @@ def _pd_serving_cells(name: str, d: dict[str, Any]) -> Iterator[Row]:
             for q in quantiles:
                 yield Row("pd_serving", f"{measure}, {cell}, {q}", c.get(q), "x", name, _ci(c.get(f"{q}_ci90")),
                           goal if kept else None, f"{per_cell} requests" + ("" if kept else ", rate not sustained"))
+    if kv_realistic and decode_busy:
+        yield from _handoff_in_steps(name, d)
     failed = sum(a.get("failed", 0) + a.get("timeouts", 0) for a in h.get("failures", {}).values())
     sent = sum(a.get("sent", 0) for a in h.get("failures", {}).values())
     yield Row("pd_serving", "failed requests", failed, "requests", name, None, Goal("==", 0), f"of {sent}")
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _handoff_in_steps(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """Each direct arm's handoff in decode steps: per request, its handoff over its own TPOT (the decode step it
+    ran at), the median per cell, and the geometric mean over cells. The 0.5x handoff goal is about whole steps:
+    push cannot take less than the rest of decode's current step plus the step that makes the first token."""
+    for arm in ("direct-push", "direct-pull"):
+        medians: list[tuple[str, float]] = []
+        for c in sorted((d.get("arms", {}).get(arm) or {}).get("cells", []), key=lambda c: _cell_order(c["cell"])):
+            # [index, ok, TTFT ms, prefill ms, end-to-end ms, output tokens, error, sent, handoff ms, ...]
+            steps = [r[8] * (r[5] - 1) / (r[4] - r[2]) for r in c.get("requests", [])
+                     if r[1] and r[8] is not None and r[5] > 1 and r[4] > r[2]]
+            if steps:
+                medians.append((c["cell"], _median(steps)))
+        if medians:
+            geo = 1.0
+            for _, m in medians:
+                geo *= m
+            yield Row("pd_serving", f"{arm.removeprefix('direct-')} handoff in decode steps (handoff / the "
+                      "request's TPOT), p50", round(geo ** (1 / len(medians)), 2), "steps", name, None, None,
+                      "geomean over cells: " + ", ".join(f"{cell} {m:.2f}" for cell, m in medians))
 
 
 def _cold_pair(name: str, d: dict[str, Any]) -> Iterator[Row]:

@@ -112,6 +112,27 @@ def test_kv_realistic_busy_decode_goals_are_judged_cell_by_cell_on_sustained_rat
     assert (ttft.met, ttft.n) == (True, "100 requests")
 
 
+def test_each_direct_arms_handoff_is_also_counted_in_its_requests_own_decode_steps(bench):
+    _, table = bench
+
+    def request(ttft: float, e2e: float, handoff: float | None, ok: bool = True) -> list:
+        return [0, ok, ttft, 50.0, e2e, 11, None, 0.0, handoff]  # 11 tokens: TPOT = (e2e - ttft) / 10
+
+    result = busy_kv_result({"256tok@1/s": {"p50": 0.6}, "256tok@2/s": {"p50": 0.6}})
+    result["arms"] = {
+        "direct-push": {"cells": [
+            {"cell": "256tok@2/s", "requests": [request(100, 400, 60), request(100, 300, 40)]},  # 2 steps each
+            {"cell": "256tok@1/s", "requests": [request(100, 300, 20), request(100, 300, 20),
+                                                request(100, 300, 900, ok=False)]}]},  # 1 step; a failure is left out
+        "direct-pull": {"cells": [{"cell": "256tok@1/s", "requests": [request(100, 300, 60), request(100, 100, 5)]}]},
+    }
+    rows = {r.measure: r for r in table.rows({"busy.json": result})}
+    push = rows["push handoff in decode steps (handoff / the request's TPOT), p50"]
+    assert (push.value, push.unit, push.n) == (1.41, "steps", "geomean over cells: 256tok@1/s 1.00, 256tok@2/s 2.00")
+    pull = rows["pull handoff in decode steps (handoff / the request's TPOT), p50"]  # e2e == ttft: no TPOT, left out
+    assert pull.value == 3.0
+
+
 def operator_scale_result(crs: int, ready: int) -> dict:
     return {"benchmark": "operator_scale", "crs": crs, "nodes": 2 * crs, "solo_crs": 0,
             "children_exist_seconds": {"p99": 50.0}, "ready_crs": ready, "timeout_seconds": 600.0,
