@@ -54,6 +54,7 @@ from .status import (
     WorkloadState,
     create_failure,
     pod_problems,
+    ready_may_flip,
     transport_behind,
     workload_state,
 )
@@ -334,7 +335,18 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         metrics.RECONCILES.labels(trigger=label, result="ok").inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - t0)
 
-    await reconciler.coalescer.run((namespace, name), full, one_pass)
+    await reconciler.coalescer.run(key, full, one_pass, urgent=not full and _ready_may_flip(
+        dinf_index, sts_index, deploy_index, key))
+
+
+def _ready_may_flip(dinf_index: DinfIndex, sts_index: StsIndex, deploy_index: WorkloadIndex, key: Key) -> bool:
+    store = dinf_index.get(key)
+    entry: IndexedCR | None = next(iter(store), None) if store else None
+    if entry is None or entry.cr is None:
+        return False
+    engines = [workload_state(sts) for sts in sts_index.get(key) or ()]
+    router = _one(deploy_index, (*key, "router")) if entry.cr.spec.router.replicas else None
+    return ready_may_flip(entry.cr.status, engines, router)
 
 
 class PostFn(Protocol):

@@ -21,3 +21,6 @@ RENDEZVOUS_POLLS = Counter("disagg_operator_rendezvous_polls_total",
                            "Reads of a deployment's rendezvous for the engines' transport", ["result"])
 ROLLOUT_STEPS = Counter("disagg_operator_rollout_steps_total", "Rollout steps performed, by kind", ["step"])
 ROLLOUT_BLOCKED = Counter("disagg_operator_rollouts_blocked_total", "Rollouts that became Blocked")
+PASSES_WAITING = Gauge("disagg_operator_passes_waiting",
+                       "Reconcile passes waiting for one of --max-concurrent-passes slots, by lane: urgent (may turn "
+                       "a CR Ready or not Ready; served first) and other", ["lane"])

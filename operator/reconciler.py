@@ -9,8 +9,6 @@ Hard bounds it enforces:
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime as dt
 import logging
 import secrets
@@ -37,6 +35,7 @@ from .plan import Applied, ApplyPlan, ChildKey, child_key, child_marker, digest,
 from .rollout import revisions
 from .rollout.state import RevisionState, Role, RoleState
 from .rollout_executor import EventFn, RolloutExecutor, RolloutFailed, summary
+from .slots import Slots
 from .status import (
     TRANSPORT_VERIFIED,
     Observed,
@@ -87,36 +86,50 @@ def _now() -> str:
 
 
 class Coalescer:
-    """At most one pass per key at a time. Triggers that arrive during a pass collapse into one more pass, at
-    the strongest level asked for: a full pass if any trigger wanted one, else a status pass. At most `limit`
-    passes run at once over all keys (None: unbounded); the rest wait their turn.
+    """At most one pass per key at a time. A trigger for a key whose pass waits for a slot joins that pass (it
+    has read nothing yet); one that arrives while the pass runs collapses with the others into one more pass.
+    Either way at the strongest level asked for: a full pass if any trigger wanted one, else a status pass; and
+    urgent if any trigger was. At most `limit` passes run at once over all keys (None: unbounded); the rest wait
+    their turn, urgent ones (a pass that may turn the CR Ready or not Ready) first (slots.Slots).
 
     The bound is what keeps a burst of CRs converging: unbounded, a thousand concurrent passes flood the
     apiserver, their requests time out and kopf retries each handler a minute later."""
 
     def __init__(self, limit: int | None = None) -> None:
-        if limit is not None and limit < 1:
-            raise ValueError(f"limit must be at least 1, got {limit}")
-        self._running: set[Key] = set()
+        self._running: set[Key] = set()  # a pass waiting for a slot, or running
+        self._waiting: dict[Key, bool] = {}  # keys whose pass waits for a slot: whether it is to be full
         self._again: dict[Key, bool] = {}
-        self._slots: contextlib.AbstractAsyncContextManager[Any] = (
-            asyncio.Semaphore(limit) if limit else contextlib.nullcontext())
+        self._urgent_again: set[Key] = set()
+        self.slots = Slots(limit)
 
-    async def run(self, key: Key, full: bool, fn: Callable[[bool], Awaitable[None]]) -> None:
+    async def run(self, key: Key, full: bool, fn: Callable[[bool], Awaitable[None]], urgent: bool = False) -> None:
         if key in self._running:
-            self._again[key] = self._again.get(key, False) or full
+            if key in self._waiting:
+                self._waiting[key] = self._waiting[key] or full
+                if urgent:
+                    self.slots.promote(key)
+            else:
+                self._again[key] = self._again.get(key, False) or full
+                if urgent:
+                    self._urgent_again.add(key)
             return
         self._running.add(key)
         try:
             while True:
-                async with self._slots:
+                self._waiting[key] = full
+                async with self.slots.take(key, urgent=urgent):
+                    full = self._waiting.pop(key)
                     await fn(full)
                 if key not in self._again:
                     return
                 full = self._again.pop(key)
+                urgent = key in self._urgent_again
+                self._urgent_again.discard(key)
         finally:
             self._running.discard(key)
+            self._waiting.pop(key, None)
             self._again.pop(key, None)
+            self._urgent_again.discard(key)
 
 
 class Reconciler:
@@ -128,6 +141,9 @@ class Reconciler:
         self.namespaces = set(namespaces) if namespaces else None
         self.log = logger or logging.getLogger("disagg.operator")
         self.coalescer = Coalescer(max_concurrent_passes)
+        slots = self.coalescer.slots
+        metrics.PASSES_WAITING.labels(lane="urgent").set_function(lambda: slots.waiting()[0])
+        metrics.PASSES_WAITING.labels(lane="other").set_function(lambda: slots.waiting()[1])
         # What our last apply of each child sent and produced: a later event with the same marker is our own echo.
         self.applied: dict[ChildKey, Applied] = {}
         self._drifted: set[ChildKey] = set()  # children the watch saw change under us since we applied them

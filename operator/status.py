@@ -205,6 +205,17 @@ def condition(status: DisaggregatedInferenceStatus | None, ctype: str) -> Condit
     return next((c for c in status.conditions if c.type == ctype), None) if status else None
 
 
+def ready_may_flip(published: DisaggregatedInferenceStatus | None, engines: list[WorkloadState],
+                   router: WorkloadState | None) -> bool:
+    """Whether a status pass now may turn the CR Ready, or not Ready: its engine workloads (every revision's) and
+    its router (None: it has none) are all settled while the published Ready is not True, or the reverse. A hint
+    for the order of passes (slots.Slots), never for what status says: it ignores the spec's replica counts,
+    failures and the rollout, which compute_status weighs."""
+    settled = bool(engines) and all(e.settled for e in engines) and (router is None or router.settled)
+    ready = condition(published, "Ready")
+    return settled != (ready is not None and ready.status == "True")
+
+
 TRANSPORT_VERIFIED = "TransportVerified"
 MAX_NAMED_ENGINES = 4
 

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from disagg.operator.api import Condition, DisaggregatedInferenceSpec, RoleStatus
+from disagg.operator.api import Condition, DisaggregatedInferenceSpec, DisaggregatedInferenceStatus, RoleStatus
 from disagg.operator.builders import OperatorImages
 from disagg.operator.reconciler import Coalescer, Reconciler
 from disagg.operator.status import (
@@ -20,6 +20,7 @@ from disagg.operator.status import (
     condition,
     create_failure,
     pod_problems,
+    ready_may_flip,
     transport_event,
     transport_verdict,
     workload_state,
@@ -139,6 +140,74 @@ def test_coalescer_bounds_the_passes_running_at_once():
         return peak[0], waiting, running[0]
 
     assert asyncio.run(scenario()) == (2, 5, 0)
+
+
+def test_an_urgent_trigger_moves_a_waiting_pass_ahead_and_the_next_pass_keeps_its_urgency():
+    async def scenario():
+        c, order, release, holding = Coalescer(limit=1), [], asyncio.Event(), asyncio.Event()
+
+        def fn(name):
+            async def run(full):
+                order.append((name, full))
+                if name == "holder" and len(order) == 1:
+                    holding.set()
+                    await release.wait()
+            return run
+
+        tasks = [asyncio.create_task(c.run(("ns", "holder"), True, fn("holder")))]
+        await holding.wait()
+        tasks += [asyncio.create_task(c.run(("ns", n), True, fn(n))) for n in ("a", "b")]
+        while c.slots.waiting() != (0, 2):
+            await asyncio.sleep(0)
+        await c.run(("ns", "b"), False, fn("b"), urgent=True)  # b's pods are ready: its waiting pass goes first
+        await c.run(("ns", "holder"), False, fn("holder"), urgent=True)  # during holder's pass: its next is urgent
+        promoted = c.slots.waiting()
+        release.set()
+        await asyncio.gather(*tasks)
+        return promoted, order
+
+    promoted, order = asyncio.run(scenario())
+    assert promoted == (1, 1)
+    # b's status trigger joined its waiting full pass (no second pass); holder's, during its pass, made one more.
+    assert order == [("holder", True), ("b", True), ("holder", False), ("a", True)]
+
+
+def test_a_trigger_for_a_pass_still_waiting_for_a_slot_joins_it_at_the_stronger_level():
+    async def scenario():
+        c, order, release, holding = Coalescer(limit=1), [], asyncio.Event(), asyncio.Event()
+
+        async def hold(full):
+            holding.set()
+            await release.wait()
+
+        async def record(full):
+            order.append(full)
+
+        holder = asyncio.create_task(c.run(("ns", "holder"), True, hold))
+        await holding.wait()
+        waiting = asyncio.create_task(c.run(("ns", "a"), False, record))
+        while c.slots.waiting() != (0, 1):
+            await asyncio.sleep(0)
+        for full in (False, True, False):  # child events, one a hand edit, while a's status pass waits
+            await c.run(("ns", "a"), full, record)
+        release.set()
+        await asyncio.gather(holder, waiting)
+        return order
+
+    assert asyncio.run(scenario()) == [True]
+
+
+def test_a_pass_is_urgent_when_the_children_settled_and_ready_disagree():
+    settled, starting = WorkloadState(1, 1, 1, 1, True, True), WorkloadState(1, 1, 0, 1, True, True)
+    ready = DisaggregatedInferenceStatus(conditions=[Condition(type="Ready", status="True", reason="r")])
+    not_ready = DisaggregatedInferenceStatus(conditions=[Condition(type="Ready", status="False", reason="r")])
+    assert ready_may_flip(not_ready, [settled, settled], settled)  # will turn Ready
+    assert ready_may_flip(None, [settled, settled], None)  # no status yet, no router wanted
+    assert ready_may_flip(ready, [settled, starting], settled)  # an engine went away: will turn not Ready
+    assert not ready_may_flip(not_ready, [settled, starting], settled)  # still coming up: progress only
+    assert not ready_may_flip(not_ready, [settled, settled], WorkloadState())  # its router is not there yet
+    assert not ready_may_flip(ready, [settled, settled], settled)  # nothing to tell
+    assert not ready_may_flip(None, [], None)  # no engine workload exists yet
 
 
 def test_coalescer_refuses_a_bound_below_one():
