@@ -186,6 +186,9 @@ def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
                   f"{d['solo_crs']} CRs applied one by one")
     yield Row("operator_scale", "burst: create to children exist, p99", d["children_exist_seconds"]["p99"], "s",
               name, None, None, n)
+    if (d.get("ready_seconds") or {}).get("p50") is not None:
+        yield Row("operator_scale", "burst: create to Ready, p50", d["ready_seconds"]["p50"], "s", name, None, None,
+                  f"{d.get('ready_crs')} CRs Ready of {d.get('crs')}")
     # issue 15: 100 CRs Ready within 30 s, and 1,000 (on 2,000 nodes) within 120 s.
     ready_goal = 30 if d.get("crs", 0) <= 100 else 120
     if d.get("all_ready_seconds") is None and "ready_crs" in d:
