@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bound of one rendezvous read (default 2 s); an unreachable rendezvous makes "
                         "TransportVerified Unknown, never a failed or slow reconcile")
     p.add_argument("--max-concurrent-passes", type=int, default=16,
-                   help="reconcile passes run at once over all CRs (default 16); the others queue, status passes "
-                        "first, so a burst of CRs converges without flooding the apiserver")
+                   help="reconcile passes run at once over all CRs (default 16); the others queue (a pass that may "
+                        "turn its CR Ready first), so a burst of CRs converges without flooding the apiserver")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log at DEBUG, and log every handler kopf runs (a line per watch event of every managed "
                         "object)")
