@@ -258,8 +258,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         nonlocal passes
         label = trigger if passes == 0 else "coalesced"
         passes += 1
-        store = dinf_index.get(key)
-        entry: IndexedCR | None = next(iter(store), None) if store else None
+        entry = _entry(dinf_index, key)
         if entry is None or entry.deleting:
             transports.forget(key)
             reconciler.forget(key)
@@ -339,9 +338,13 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         dinf_index, sts_index, deploy_index, key))
 
 
-def _ready_may_flip(dinf_index: DinfIndex, sts_index: StsIndex, deploy_index: WorkloadIndex, key: Key) -> bool:
+def _entry(dinf_index: DinfIndex, key: Key) -> IndexedCR | None:
     store = dinf_index.get(key)
-    entry: IndexedCR | None = next(iter(store), None) if store else None
+    return next(iter(store), None) if store else None
+
+
+def _ready_may_flip(dinf_index: DinfIndex, sts_index: StsIndex, deploy_index: WorkloadIndex, key: Key) -> bool:
+    entry = _entry(dinf_index, key)
     if entry is None or entry.cr is None:
         return False
     engines = [workload_state(sts) for sts in sts_index.get(key) or ()]
