@@ -9,6 +9,7 @@ A goal is met when the point estimate is on its side of the threshold; the inter
 from __future__ import annotations
 
 import operator
+import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -123,12 +124,6 @@ def _pd_serving_cells(name: str, d: dict[str, Any]) -> Iterator[Row]:
     yield Row("pd_serving", "failed requests", failed, "requests", name, None, Goal("==", 0), f"of {sent}")
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
-
-
 def _handoff_in_steps(name: str, d: dict[str, Any]) -> Iterator[Row]:
     """Each direct arm's handoff in decode steps: per request, its handoff over its own TPOT (the decode step it
     ran at), the median per cell, and the geometric mean over cells. The 0.5x handoff goal is about whole steps:
@@ -140,13 +135,11 @@ def _handoff_in_steps(name: str, d: dict[str, Any]) -> Iterator[Row]:
             steps = [r[8] * (r[5] - 1) / (r[4] - r[2]) for r in c.get("requests", [])
                      if r[1] and r[8] is not None and r[5] > 1 and r[4] > r[2]]
             if steps:
-                medians.append((c["cell"], _median(steps)))
+                medians.append((c["cell"], statistics.median(steps)))
         if medians:
-            geo = 1.0
-            for _, m in medians:
-                geo *= m
+            geo = statistics.geometric_mean(m for _, m in medians)
             yield Row("pd_serving", f"{arm.removeprefix('direct-')} handoff in decode steps (handoff / the "
-                      "request's TPOT), p50", round(geo ** (1 / len(medians)), 2), "steps", name, None, None,
+                      "request's TPOT), p50", round(geo, 2), "steps", name, None, None,
                       "geomean over cells: " + ", ".join(f"{cell} {m:.2f}" for cell, m in medians))
 
 
