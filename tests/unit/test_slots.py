@@ -7,26 +7,19 @@ import asyncio
 import pytest
 
 from disagg.operator.slots import Slots
-
-
-async def settle(slots: Slots, waiting: tuple[int, int]) -> None:
-    """Until `waiting` tasks are queued: each task queues on its first step, so a few loop turns suffice."""
-    for _ in range(100):
-        if slots.waiting() == waiting:
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"waiting {slots.waiting()}, expected {waiting}")
+from support.slots import until_waiting
 
 
 class Holder:
     """Holds one slot until released; `then` runs in the same loop turn as the release."""
 
     def __init__(self, slots: Slots, then=lambda: None) -> None:
-        self.release = asyncio.Event()
+        self.holding, self.release = asyncio.Event(), asyncio.Event()
         self.task = asyncio.create_task(self._hold(slots, then))
 
     async def _hold(self, slots: Slots, then) -> None:
         async with slots.take("holder", urgent=False):
+            self.holding.set()
             await self.release.wait()
         then()
 
@@ -35,7 +28,7 @@ def test_urgent_passes_go_first_and_the_others_keep_their_arrival_order():
     async def scenario():
         slots, order = Slots(1), []
         holder = Holder(slots)
-        await asyncio.sleep(0)  # the holder has its slot
+        await holder.holding.wait()
 
         async def one(name: str, urgent: bool):
             async with slots.take(name, urgent=urgent):
@@ -43,7 +36,7 @@ def test_urgent_passes_go_first_and_the_others_keep_their_arrival_order():
 
         waiters = [asyncio.create_task(one(n, u)) for n, u in
                    (("full-1", False), ("status-1", False), ("full-2", False), ("ready-1", True), ("ready-2", True))]
-        await settle(slots, (2, 3))
+        await until_waiting(slots, (2, 3))
         holder.release.set()
         await asyncio.gather(holder.task, *waiters)
         return order
@@ -55,14 +48,14 @@ def test_a_waiting_pass_promoted_to_urgent_goes_after_the_urgent_already_waiting
     async def scenario():
         slots, order = Slots(1), []
         holder = Holder(slots)
-        await asyncio.sleep(0)
+        await holder.holding.wait()
 
         async def one(name: str, urgent: bool):
             async with slots.take(name, urgent=urgent):
                 order.append(name)
 
         waiters = [asyncio.create_task(one(n, u)) for n, u in (("a", False), ("b", False), ("c", True))]
-        await settle(slots, (1, 2))
+        await until_waiting(slots, (1, 2))
         slots.promote("b")
         slots.promote("c")  # already urgent: stays where it is
         slots.promote("nobody")  # not waiting: nothing to do
@@ -88,7 +81,7 @@ def test_at_most_limit_run_and_a_newcomer_never_barges_past_waiters():
                 running[0] -= 1
 
         first = [asyncio.create_task(one(f"p{i}")) for i in range(4)]
-        await settle(slots, (0, 2))
+        await until_waiting(slots, (0, 2))
         gate.set()  # the two holders finish and hand their slots straight to the two waiters ...
         late = asyncio.create_task(one("late"))  # ... so this newcomer, arriving meanwhile, comes last
         await asyncio.gather(*first, late)
@@ -102,14 +95,14 @@ def test_a_waiter_cancelled_after_being_handed_a_slot_passes_it_on():
         slots, got, tasks = Slots(1), [], {}
         # The holder's release hands the slot to "doomed", which has not run since: cancel it in that same turn.
         holder = Holder(slots, then=lambda: tasks["doomed"].cancel())
-        await asyncio.sleep(0)
+        await holder.holding.wait()
 
         async def one(name: str):
             async with slots.take(name, urgent=True):
                 got.append(name)
 
         tasks["doomed"], heir = asyncio.create_task(one("doomed")), asyncio.create_task(one("heir"))
-        await settle(slots, (2, 0))
+        await until_waiting(slots, (2, 0))
         holder.release.set()
         await holder.task
         await asyncio.gather(tasks["doomed"], return_exceptions=True)
@@ -125,14 +118,14 @@ def test_a_waiter_cancelled_in_the_queue_leaves_it():
     async def scenario():
         slots = Slots(1)
         holder = Holder(slots)
-        await asyncio.sleep(0)
+        await holder.holding.wait()
 
         async def wait():
             async with slots.take("w", urgent=False):
                 pass
 
         waiter = asyncio.create_task(wait())
-        await settle(slots, (0, 1))
+        await until_waiting(slots, (0, 1))
         waiter.cancel()
         await asyncio.gather(waiter, return_exceptions=True)
         queued = slots.waiting()

@@ -25,6 +25,7 @@ from disagg.operator.status import (
     transport_verdict,
     workload_state,
 )
+from support.slots import until_waiting
 
 SPEC = DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {"profile": "nvidia-h200"},
                                                   "prefill": {"replicas": 2}})
@@ -157,8 +158,7 @@ def test_an_urgent_trigger_moves_a_waiting_pass_ahead_and_the_next_pass_keeps_it
         tasks = [asyncio.create_task(c.run(("ns", "holder"), True, fn("holder")))]
         await holding.wait()
         tasks += [asyncio.create_task(c.run(("ns", n), True, fn(n))) for n in ("a", "b")]
-        while c.slots.waiting() != (0, 2):
-            await asyncio.sleep(0)
+        await until_waiting(c.slots, (0, 2))
         await c.run(("ns", "b"), False, fn("b"), urgent=True)  # b's pods are ready: its waiting pass goes first
         await c.run(("ns", "holder"), False, fn("holder"), urgent=True)  # during holder's pass: its next is urgent
         promoted = c.slots.waiting()
@@ -186,8 +186,7 @@ def test_a_trigger_for_a_pass_still_waiting_for_a_slot_joins_it_at_the_stronger_
         holder = asyncio.create_task(c.run(("ns", "holder"), True, hold))
         await holding.wait()
         waiting = asyncio.create_task(c.run(("ns", "a"), False, record))
-        while c.slots.waiting() != (0, 1):
-            await asyncio.sleep(0)
+        await until_waiting(c.slots, (0, 1))
         for full in (False, True, False):  # child events, one a hand edit, while a's status pass waits
             await c.run(("ns", "a"), full, record)
         release.set()
