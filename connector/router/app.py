@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import time
@@ -360,7 +361,9 @@ class Router:
             self.m.engines.labels(role=role, state=state).set(n)
         return web.Response(body=generate_latest(self.m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def app(self) -> web.Application:
+    def app(self, freeze_gc: bool = False) -> web.Application:
+        """`freeze_gc`: once started, exempt every object alive then from cycle collection (see
+        `freeze_startup_objects`); for the router process, not for an app embedded in another program."""
         app = web.Application(client_max_size=MAX_BODY, middlewares=[_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -370,6 +373,8 @@ class Router:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
         app.cleanup_ctx.append(self._lifecycle)
+        if freeze_gc:
+            app.on_startup.append(_freeze_when_started)
         return app
 
     async def _lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
@@ -379,6 +384,18 @@ class Router:
         yield
         probe.cancel()
         await self.session.close()
+
+
+def freeze_startup_objects() -> None:
+    """Move everything alive at start-up (modules, the app, the session: about 50,000 objects) out of the cycle
+    collector's reach. A full collection otherwise walks them all and stops every request in flight for 15-30 ms
+    on a small core, once every few thousand requests. What requests create is still collected."""
+    gc.collect()
+    gc.freeze()
+
+
+async def _freeze_when_started(_app: web.Application) -> None:
+    freeze_startup_objects()  # on_startup runs after cleanup_ctx's start: the client session exists by now
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -480,7 +497,7 @@ def event_loop() -> asyncio.AbstractEventLoop:
 def main(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     router, follows = build(args)
-    app = router.app()
+    app = router.app(freeze_gc=True)
 
     async def follow(_app: web.Application) -> AsyncIterator[None]:
         running = [asyncio.create_task(cache.follow(client)) for cache, client in follows]
