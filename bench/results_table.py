@@ -276,12 +276,18 @@ def _router_stubs(name: str, d: dict[str, Any]) -> Iterator[Row]:
             for q in ("p50", "p99"):
                 yield Row("router_stubs", f"{arm}: added TTFT {q}, {cell}", c[q]["ms"], "ms", name,
                           _ci(c[q]["ci90"]), None, n)
+    with_ci = h.get("p99_router_minus_vllm_router") or {}  # files before it had the point estimate alone
     for cell, diff in (h.get("added_p99_router_minus_vllm_router_ms") or {}).items():
         yield Row("router_stubs", f"added TTFT p99, our router minus vllm-router (pull), {cell}", diff, "ms", name,
-                  None, Goal("<=", 0.0, "issue 15"), n)
+                  _ci(with_ci.get(cell, {}).get("ci90")), Goal("<=", 0.0, "issue 15"), n)
     for arm, cpu in h.get("router_cpu_ms_per_request", {}).items():
         yield Row("router_stubs", f"{arm}: router CPU per request", cpu, "ms", name, None, None,
                   "mean over the latency cells")
+    for arm, a in d.get("arms", {}).items():
+        if "gc" in a:
+            full, every = a["gc"]["gen2"], sum(g["collections"] for g in a["gc"].values())
+            yield Row("router_stubs", f"{arm}: longest full GC stop while measured", full["longest_ms"] or 0.0, "ms",
+                      name, None, None, f"{full['collections']} full collections, {every} in all")
     ramp = f"ramp {cfg.get('rates')} req/s, {cfg.get('ramp_step_s')} s per step; router alone on one core"
     for arm, rps in h.get("saturation_rps", {}).items():
         yield Row("router_stubs", f"{arm}: saturation throughput", rps, "req/s", name, None, None, ramp)

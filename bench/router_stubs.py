@@ -51,7 +51,6 @@ from pd_serving import (
     abba,
     log,
     merge_rounds,
-    our_router,
     parse_cells,
     per_request,
     run_cell,
@@ -67,6 +66,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SATURATED = 0.9
 """A ramp step whose achieved throughput is under this share of the offered rate did not keep up."""
+PYTHON_ROUTERS = ("router-", "before-")
 ARMS = ("direct-push", "router-push", "before-push", "direct-pull", "router-pull", "before-pull", "vllm-router-pull")
 
 
@@ -110,25 +110,53 @@ def before_tree(rev: str, logs: Path) -> Path:
     return tree
 
 
-def before_router(tree: Path, mode: str, engines_file: Path, logs: Path, timeout: float) -> tuple[HttpChild, str]:
-    """`disagg router` of the --before commit: this interpreter, its package first on the path."""
+GC_PRELUDE = """
+import gc, json, sys, time
+_gc_out, _gc_t = open(sys.argv.pop(1), "a", buffering=1), [0.0]
+def _gc_pause(phase, info):
+    if phase == "start":
+        _gc_t[0] = time.perf_counter()
+    else:
+        _gc_out.write(json.dumps({"gen": info["generation"], "t": round(time.time(), 3),
+                                  "ms": round((time.perf_counter() - _gc_t[0]) * 1000, 3)}) + "\\n")
+gc.callbacks.append(_gc_pause)
+"""
+"""Records every cycle collection of a router arm and how long it stopped the process (one JSON line each)."""
+
+
+def python_router(name: str, tree: Path | None, mode: str, engines_file: Path, logs: Path,
+                  timeout: float) -> tuple[HttpChild, str]:
+    """`disagg router` of this checkout (`tree` None) or of the --before commit (its package first on the path),
+    with GC_PRELUDE writing its collections to `<name>.gc.jsonl`."""
     port = free_port()
-    name = f"before-{mode}"
-    # The log's first line names the file the router came from: the bench checks it is the worktree's.
-    code = ("import sys, disagg.connector.router.app as a; print('router from', a.__file__, flush=True); "
+    # The log's first line names the file the router came from: the bench checks it is the wanted tree's.
+    code = (GC_PRELUDE + "import disagg.connector.router.app as a; print('router from', a.__file__, flush=True)\n"
             "from disagg.cli import main; sys.argv[0] = 'disagg'; main()")
-    argv = [sys.executable, "-c", code, "router", "--mode", mode, "--dispatch", "concurrent", "--engines-file",
-            str(engines_file), "--request-timeout", str(timeout), "--log-level", "WARNING", "--access-log",
-            str(logs / f"{name}.access.jsonl"), "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-c", code, str(logs / f"{name}.gc.jsonl"), "router", "--mode", mode, "--dispatch",
+            "concurrent", "--engines-file", str(engines_file), "--request-timeout", str(timeout), "--log-level",
+            "WARNING", "--access-log", str(logs / f"{name}.access.jsonl"), "--host", "127.0.0.1", "--port", str(port)]
     p = HttpChild(name, argv, logs / f"{name}.log")
-    p.env = {**os.environ, "PYTHONPATH": str(tree)}
+    p.env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
     p.start()
     url = f"http://127.0.0.1:{port}"
     p.wait_http(url + "/health", timeout=60)
     origin = p.log.read_text().split("router from ", 1)[-1].split("\n", 1)[0]
-    if not origin.startswith(str(tree)):
-        raise RuntimeError(f"the --before router imported {origin}, not the worktree's")
+    if not origin.startswith(str(tree or REPO)):
+        raise RuntimeError(f"the {name} router imported {origin}, not {tree or REPO}'s")
     return p, url
+
+
+def gc_pauses(path: Path, since: float) -> dict:
+    """A router's cycle collections from `since` (time.time(), when the measurements began) to its end: count,
+    longest and total stop, per generation (2 is the full collection)."""
+    pauses = [p for line in (path.read_text().splitlines() if path.exists() else [])
+              for p in [json.loads(line)] if p["t"] >= since]
+    out: dict = {}
+    for gen in (0, 1, 2):
+        ms = [p["ms"] for p in pauses if p["gen"] == gen]
+        out[f"gen{gen}"] = {"collections": len(ms), "longest_ms": max(ms, default=None),
+                            "total_ms": round(sum(ms), 3)}
+    return out
 
 
 def vllm_router_on(prefill: Stub, decode: Stub, logs: Path, timeout: float) -> tuple[HttpChild, str]:
@@ -242,6 +270,10 @@ def headline(cells: dict[str, list[dict]], ramps: dict[str, list[dict]], modes: 
     if ours and peer:
         out["added_p99_router_minus_vllm_router_ms"] = {
             cell: round(ours[cell]["p99"]["ms"] - peer[cell]["p99"]["ms"], 3) for cell in ours if cell in peer}
+        # The same difference with its bootstrap interval: TTFT p99 through ours minus through vllm-router.
+        theirs = {c["cell"]: c for c in cells.get("vllm-router-pull", [])}
+        out["p99_router_minus_vllm_router"] = {
+            c["cell"]: added(c, theirs[c["cell"]], 0.99, rng) for c in cells["router-pull"] if c["cell"] in theirs}
     sat = out["saturation_rps"]
     if sat.get("router-pull") and sat.get("vllm-router-pull"):
         out["saturation_router_over_vllm_router"] = round(sat["router-pull"] / sat["vllm-router-pull"], 3)
@@ -295,11 +327,10 @@ async def main_async(args: argparse.Namespace) -> dict:
                                 direct=direct_pull(prefill.url, decode.url)))
                 continue
             if name.startswith("router-"):
-                proc, url = our_router(name, mode, "concurrent", ["--engines-file", str(files[mode])], logs,
-                                       args.timeout)
+                proc, url = python_router(name, None, mode, files[mode], logs, args.timeout)
                 desc = f"disagg router --mode {mode} (this checkout)"
             elif name.startswith("before-"):
-                proc, url = before_router(tree, mode, files[mode], logs, args.timeout)
+                proc, url = python_router(name, tree, mode, files[mode], logs, args.timeout)
                 desc = f"disagg router --mode {mode} of {args.before}"
             else:
                 proc, url = vllm_router_on(prefill, decode, logs, args.timeout)
@@ -313,7 +344,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         cfg = Config(cells=parse_cells(args.cells) if args.cells else [], requests=args.requests,
                      max_tokens=args.max_tokens, timeout=args.timeout, seed=args.seed, warmup=3,
                      rounds=args.rounds, gap=0.5)
-        t0 = time.monotonic()
+        t0, since = time.monotonic(), time.time()
         cells = await latency(arms, cfg) if cfg.cells else {a.name: [] for a in arms}
         ramps: dict[str, list[dict]] = {}
         if args.rates:
@@ -344,12 +375,20 @@ async def main_async(args: argparse.Namespace) -> dict:
                           "a bootstrap 90% interval over requests",
             "saturation_rps": "the highest achieved throughput of the arm's ramp",
             "router_cpu_ms_per_request": "the router's user + system CPU over a cell, per completed request",
+            "gc": "our routers' cycle collections while measured (latency cells and ramp; gc.callbacks): count, "
+                  "longest and total stop per generation",
         },
-        "arms": {a.name: {"mode": a.mode, "description": a.description,
-                          "cells": cells[a.name], "ramp": ramps.get(a.name, [])} for a in arms},
+        "arms": {a.name: arm_result(a, cells[a.name], ramps.get(a.name, []), logs, since) for a in arms},
         "headline": headline(cells, ramps, modes),
         "wall_s": round(time.monotonic() - t0, 1),
     }
+
+
+def arm_result(arm: Arm, cells: list[dict], ramp: list[dict], logs: Path, since: float) -> dict:
+    out = {"mode": arm.mode, "description": arm.description, "cells": cells, "ramp": ramp}
+    if arm.name.startswith(PYTHON_ROUTERS):
+        out["gc"] = gc_pauses(logs / f"{arm.name}.gc.jsonl", since)
+    return out
 
 
 def main() -> None:
