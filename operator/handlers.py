@@ -10,7 +10,8 @@ Triggers:
 - the StatefulSet controller failed to create an engine pod (a FailedCreate Event on an engine StatefulSet) →
   status pass. StatefulSet status has no condition for that, so the operator watches the Events involving
   StatefulSets (a server-side field selector, set in run.py) and keeps the pod-creation ones in an index;
-- a periodic resync → full pass (drift correction; writes nothing when nothing drifted);
+- a periodic resync → thorough full pass (drift correction; writes nothing when nothing drifted), once the
+  passes waiting for a slot have gone (resync_forever);
 - the engines' reported transport changed in the deployment's rendezvous → status pass. A poll loop reads
   every deployment's rendezvous in the background (transport.py); passes only read its cached answers.
 
@@ -26,6 +27,7 @@ and it calls deletion handlers only for an object that still exists with a delet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import copy
 import logging
@@ -42,6 +44,7 @@ from . import api, metrics, names
 from .generations import Generations
 from .meta import timestamp
 from .reconciler import ApplyFailed, Key, Reconciler
+from .slots import Slots
 from .status import (
     FAILED_CREATE,
     SUCCESSFUL_CREATE,
@@ -265,7 +268,8 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
             return  # deleted: owner references make the garbage collector remove the children
         t0 = time.monotonic()
         body, cr = entry.body, entry.cr
-        full = full or reconciler.drift_pending(key)
+        thorough = reconciler.take_verify(key)
+        full = full or thorough or reconciler.drift_pending(key)
         if cr is None:
             metrics.RECONCILES.labels(trigger=label, result="invalid").inc()
             post_event(memo, kopf.warn, body, "InvalidSpec", str(entry.error))
@@ -275,7 +279,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         failed: ApplyFailed | None = None
         if full:
             try:
-                outcome = await reconciler.apply_children(cr, thorough=label == "resync", still_there=still_there)
+                outcome = await reconciler.apply_children(cr, thorough=thorough, still_there=still_there)
             except ApplyFailed as e:
                 if e.code == 403 and "being terminated" in str(e):
                     return  # the namespace is going away with the CR in it; nothing to converge to
@@ -304,7 +308,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
 
             try:
                 rollout = await reconciler.advance_rollout(cr, statefulsets, list(engine_pod_index.get(key) or ()),
-                                                           report, post, thorough=label == "resync",
+                                                           report, post, thorough=thorough,
                                                            still_there=still_there)
             except ApplyFailed as e:
                 if e.code == 403 and "being terminated" in str(e):
@@ -334,6 +338,10 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         metrics.RECONCILES.labels(trigger=label, result="ok").inc()
         metrics.RECONCILE_SECONDS.observe(time.monotonic() - t0)
 
+    if trigger == "resync":
+        # Whichever pass of this CR runs next verifies its children, also when this trigger joins a pass already
+        # waiting or queues behind a running one.
+        reconciler.verify_next(key)
     await reconciler.coalescer.run(key, full, one_pass, urgent=not full and _ready_may_flip(
         dinf_index, sts_index, deploy_index, key))
 
@@ -476,8 +484,16 @@ async def collect_bindings(memo: kopf.Memo, logger: kopf.Logger, only: Key | Non
 
 
 async def resync_forever(memo: kopf.Memo, logger: kopf.Logger) -> None:
+    """Every RESYNC_SECONDS, a thorough full pass of every known CR, one at a time. A round, and each of its
+    passes, first lets the passes waiting for a slot go (a burst of creates: its CRs were just applied, and a
+    resync pass there only competes with the burst for the apiserver), waiting at most RESYNC_SECONDS per round
+    in all, so a fleet that is never quiet is still resynced."""
+    slots: Slots = memo.reconciler.coalescer.slots
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(RESYNC_SECONDS)
+        patience = loop.time() + RESYNC_SECONDS
+        await _drained(slots, patience - loop.time())
         await collect_bindings(memo, logger)
         try:
             await memo.reconciler.observe_unwatched()
@@ -489,6 +505,7 @@ async def resync_forever(memo: kopf.Memo, logger: kopf.Logger) -> None:
             continue
         metrics.MANAGED.set(len(indexes["dinf_index"]))
         for namespace, name in list(indexes["dinf_index"].keys()):
+            await _drained(slots, patience - loop.time())
             try:
                 await run_pass(memo, namespace, name, full=True, trigger="resync", logger=logger, **indexes)
             except (kopf.TemporaryError, kopf.PermanentError) as e:
@@ -497,6 +514,12 @@ async def resync_forever(memo: kopf.Memo, logger: kopf.Logger) -> None:
                 metrics.RECONCILES.labels(trigger="resync", result="error").inc()
                 logger.exception(f"resync of {namespace}/{name} failed")
         metrics.RESYNC_ROUNDS.inc()
+
+
+async def _drained(slots: Slots, timeout: float) -> None:
+    """Return once no pass waits for a slot, or after `timeout` seconds (at once when it is not positive)."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(slots.drained(), max(0.0, timeout))
 
 
 async def transport_changed(memo: kopf.Memo, key: Key, logger: kopf.Logger) -> None:

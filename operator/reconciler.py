@@ -152,6 +152,7 @@ class Reconciler:
         # handled before the write's own response, and must not be taken for drift.
         self._in_flight: dict[ChildKey, list[str]] = {}
         self._drift_owners: set[Key] = set()  # CRs with a child found drifted after its apply returned
+        self._verify: set[Key] = set()  # CRs whose next pass the resync asked to be thorough
         self._token_secrets: set[str] = set()  # CR uids whose token Secret is known to exist
         self.bindings = BindingCollector(client, self.namespaces, self.log)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
@@ -442,6 +443,17 @@ class Reconciler:
         self._drifted.add(key)
         return True
 
+    def verify_next(self, key: Key) -> None:
+        """Make the next full pass of this CR thorough (plan.py): the resync asked for it."""
+        self._verify.add(key)
+
+    def take_verify(self, key: Key) -> bool:
+        """Whether this pass must be thorough; asking consumes the request."""
+        if key in self._verify:
+            self._verify.discard(key)
+            return True
+        return False
+
     def drift_pending(self, key: Key) -> bool:
         """Whether a child of this CR was found changed under us once its apply returned: the next pass of the CR
         must be a full one, whatever triggered it."""
@@ -485,6 +497,7 @@ class Reconciler:
         self._revisions.pop(key, None)
         self._apply_errors.pop(key, None)
         self._drift_owners.discard(key)
+        self._verify.discard(key)
         self.rollout.forget(key)
 
 

@@ -6,7 +6,8 @@ Invariants:
   arrival order, full and status passes alike), else back to the pool; a newcomer never takes a slot while
   anyone waits (no barging);
 - a waiter can be promoted to the urgent lane while it waits (`promote`), keeping its place among the urgent;
-- a waiter cancelled after being handed a slot gives it on, so no slot is ever lost.
+- a waiter cancelled after being handed a slot gives it on, so no slot is ever lost;
+- `drained()` returns once no pass waits for a slot (at once when none does).
 
 Why a fast lane: in a burst of creates, each full pass makes a dozen applies. A status pass that finds a CR's
 children all ready, and turns it Ready, is one status write; behind the creates in arrival order, every CR
@@ -33,10 +34,16 @@ class Slots:
         self._urgent: deque[Hashable] = deque()
         self._other: deque[Hashable] = deque()
         self._waiters: dict[Hashable, asyncio.Future[None]] = {}
+        self._empty = asyncio.Event()
+        self._empty.set()
 
     def waiting(self) -> tuple[int, int]:
         """(urgent passes, other passes) waiting for a slot."""
         return len(self._urgent), len(self._other)
+
+    async def drained(self) -> None:
+        """Return once no pass waits for a slot: the backlog of a burst has been served."""
+        await self._empty.wait()
 
     def promote(self, key: Hashable) -> None:
         """Move `key`'s waiting pass, if it waits in the other lane, to the end of the urgent lane."""
@@ -58,6 +65,7 @@ class Slots:
             handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters[key] = handed
             (self._urgent if urgent else self._other).append(key)
+            self._empty.clear()
             try:
                 await handed
             except asyncio.CancelledError:
@@ -76,12 +84,18 @@ class Slots:
         for lane in (self._urgent, self._other):
             if key in lane:
                 lane.remove(key)
+        self._note_empty()
 
     def _release(self) -> None:
         for lane in (self._urgent, self._other):
             if lane:
                 key = lane.popleft()
                 self._waiters.pop(key).set_result(None)  # the slot passes straight to this waiter
+                self._note_empty()
                 return
         assert self._free is not None
         self._free += 1
+
+    def _note_empty(self) -> None:
+        if not self._urgent and not self._other:
+            self._empty.set()

@@ -146,3 +146,53 @@ def test_unbounded_never_waits_and_a_bound_below_one_is_refused():
     assert asyncio.run(scenario()) == [(0, 0)]
     with pytest.raises(ValueError, match="at least 1"):
         Slots(0)
+
+
+def test_drained_returns_once_no_pass_waits_for_a_slot():
+    async def scenario():
+        slots, events = Slots(1), []
+        await asyncio.wait_for(slots.drained(), 1)  # nobody waits: at once
+        holder = Holder(slots)
+        await holder.holding.wait()
+        await asyncio.wait_for(slots.drained(), 1)  # a pass holding its slot is not a backlog
+
+        async def one(name: str):
+            async with slots.take(name, urgent=False):
+                events.append(name)
+
+        async def resync():
+            await slots.drained()
+            events.append("drained")
+
+        first, second = asyncio.create_task(one("a")), asyncio.create_task(one("b"))
+        await until_waiting(slots, (0, 2))
+        waiter = asyncio.create_task(resync())
+        holder.release.set()  # "a" gets the slot, "b" still waits
+        await holder.task
+        await asyncio.gather(first, second, waiter)
+        return events
+
+    # "drained" once "b" was handed the slot, whatever order the tasks then ran in; not before "a" was.
+    events = asyncio.run(scenario())
+    assert sorted(events) == ["a", "b", "drained"] and events.index("a") < events.index("drained")
+
+
+def test_drained_counts_a_waiter_that_gave_up_as_gone():
+    async def scenario():
+        slots = Slots(1)
+        holder = Holder(slots)
+        await holder.holding.wait()
+
+        async def wait():
+            async with slots.take("w", urgent=False):
+                pass
+
+        waiter = asyncio.create_task(wait())
+        await until_waiting(slots, (0, 1))
+        drained = asyncio.create_task(slots.drained())
+        waiter.cancel()
+        await asyncio.wait_for(drained, 1)  # while the holder still holds its slot
+        holder.release.set()
+        await holder.task
+
+    asyncio.run(scenario())

@@ -119,6 +119,34 @@ def test_coalescer_runs_one_pass_at_a_time_at_the_strongest_level():
     assert asyncio.run(scenario()) == [False, True]
 
 
+def test_a_resync_that_joins_another_pass_still_gets_its_children_verified():
+    """As handlers.run_pass does: the resync asks the reconciler for a thorough pass, then triggers one; whichever
+    pass of the CR runs next takes the request, once."""
+    async def scenario():
+        r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
+        c, key, runs, gate, started = r.coalescer, ("ns", "a"), [], asyncio.Event(), asyncio.Event()
+
+        async def fn(full):
+            thorough = r.take_verify(key)
+            runs.append("thorough" if thorough else "full" if full else "status")
+            started.set()
+            if len(runs) == 1:
+                await gate.wait()
+
+        first = asyncio.create_task(c.run(key, False, fn))  # a status pass, running
+        await started.wait()
+        r.verify_next(key)
+        await c.run(key, True, fn)  # the resync's trigger: queued behind it
+        gate.set()
+        await first
+        await c.run(key, True, fn)  # a later change: full, not thorough
+        r.verify_next(key)
+        r.forget(key)  # the CR was deleted: nothing is left to verify
+        return runs, r.take_verify(key)
+
+    assert asyncio.run(scenario()) == (["status", "thorough", "full"], False)
+
+
 def test_coalescer_bounds_the_passes_running_at_once():
     async def scenario():
         c, gate, two_running, running, peak = Coalescer(limit=2), asyncio.Event(), asyncio.Event(), [0], [0]
