@@ -283,11 +283,13 @@ def _router_stubs(name: str, d: dict[str, Any]) -> Iterator[Row]:
     for arm, cpu in h.get("router_cpu_ms_per_request", {}).items():
         yield Row("router_stubs", f"{arm}: router CPU per request", cpu, "ms", name, None, None,
                   "mean over the latency cells")
+    windows = {"latency_cells": "the latency cells", "ramp": "the ramps"}
     for arm, a in d.get("arms", {}).items():
-        if "gc" in a:
-            full, every = a["gc"]["gen2"], sum(g["collections"] for g in a["gc"].values())
-            yield Row("router_stubs", f"{arm}: longest full GC stop while measured", full["longest_ms"] or 0.0, "ms",
-                      name, None, None, f"{full['collections']} full collections, {every} in all")
+        for window, gens in a.get("gc", {}).items():
+            full, every = gens["gen2"], sum(g["collections"] for g in gens.values())
+            yield Row("router_stubs", f"{arm}: longest full GC stop, {windows.get(window, window)}",
+                      full["longest_ms"] or 0.0, "ms", name, None, None,
+                      f"{full['collections']} full collections, {every} in all")
     ramp = f"ramp {cfg.get('rates')} req/s, {cfg.get('ramp_step_s')} s per step; router alone on one core"
     for arm, rps in h.get("saturation_rps", {}).items():
         yield Row("router_stubs", f"{arm}: saturation throughput", rps, "req/s", name, None, None, ramp)

@@ -146,16 +146,17 @@ def python_router(name: str, tree: Path | None, mode: str, engines_file: Path, l
     return p, url
 
 
-def gc_pauses(path: Path, since: float) -> dict:
-    """A router's cycle collections from `since` (time.time(), when the measurements began) to its end: count,
-    longest and total stop, per generation (2 is the full collection)."""
-    pauses = [p for line in (path.read_text().splitlines() if path.exists() else [])
-              for p in [json.loads(line)] if p["t"] >= since]
+def gc_pauses(path: Path, windows: dict[str, tuple[float, float]]) -> dict:
+    """A router's cycle collections in each window (time.time() from, to): count, longest and total stop, per
+    generation (2 is the full collection)."""
+    pauses = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     out: dict = {}
-    for gen in (0, 1, 2):
-        ms = [p["ms"] for p in pauses if p["gen"] == gen]
-        out[f"gen{gen}"] = {"collections": len(ms), "longest_ms": max(ms, default=None),
-                            "total_ms": round(sum(ms), 3)}
+    for window, (start, end) in windows.items():
+        out[window] = {}
+        for gen in (0, 1, 2):
+            ms = [p["ms"] for p in pauses if p["gen"] == gen and start <= p["t"] < end]
+            out[window][f"gen{gen}"] = {"collections": len(ms), "longest_ms": max(ms, default=None),
+                                        "total_ms": round(sum(ms), 3)}
     return out
 
 
@@ -346,12 +347,14 @@ async def main_async(args: argparse.Namespace) -> dict:
                      rounds=args.rounds, gap=0.5)
         t0, since = time.monotonic(), time.time()
         cells = await latency(arms, cfg) if cfg.cells else {a.name: [] for a in arms}
+        cells_end = time.time()
         ramps: dict[str, list[dict]] = {}
         if args.rates:
             ramp_cfg = dataclasses.replace(cfg, rounds=1)
             for arm in arms:
                 log(f"ramp {arm.name}")
                 ramps[arm.name] = await ramp(arm, ramp_cfg, args.rates, args.ramp_tokens, args.step_s)
+        windows = {"latency_cells": (since, cells_end), "ramp": (cells_end, time.time())}
     finally:
         for p in procs:
             p.stop()
@@ -375,19 +378,20 @@ async def main_async(args: argparse.Namespace) -> dict:
                           "a bootstrap 90% interval over requests",
             "saturation_rps": "the highest achieved throughput of the arm's ramp",
             "router_cpu_ms_per_request": "the router's user + system CPU over a cell, per completed request",
-            "gc": "our routers' cycle collections while measured (latency cells and ramp; gc.callbacks): count, "
-                  "longest and total stop per generation",
+            "gc": "our routers' cycle collections (gc.callbacks) during the latency cells and during the ramps "
+                  "(every arm's, one after another): count, longest and total stop per generation",
         },
-        "arms": {a.name: arm_result(a, cells[a.name], ramps.get(a.name, []), logs, since) for a in arms},
+        "arms": {a.name: arm_result(a, cells[a.name], ramps.get(a.name, []), logs, windows) for a in arms},
         "headline": headline(cells, ramps, modes),
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
 
-def arm_result(arm: Arm, cells: list[dict], ramp: list[dict], logs: Path, since: float) -> dict:
+def arm_result(arm: Arm, cells: list[dict], ramp: list[dict], logs: Path,
+               windows: dict[str, tuple[float, float]]) -> dict:
     out = {"mode": arm.mode, "description": arm.description, "cells": cells, "ramp": ramp}
     if arm.name.startswith(PYTHON_ROUTERS):
-        out["gc"] = gc_pauses(logs / f"{arm.name}.gc.jsonl", since)
+        out["gc"] = gc_pauses(logs / f"{arm.name}.gc.jsonl", windows)
     return out
 
 
