@@ -20,8 +20,11 @@ every arm:
   The router's CPU per request (its process tree's user + system time over the step, from /proc) says what a
   core of it costs, whoever saturates first.
 
-Run: `.venv/bin/python bench/router_stubs.py --before HEAD~3` (about 6 minutes; no engines, but it wants the
-machine quiet). Writes bench/results/router_stubs.json.
+Our two Python routers (this checkout and --before) also log every cycle collection with its duration: count and
+longest stop per window (latency cells, ramps).
+
+Run: `.venv/bin/python bench/router_stubs.py --before HEAD~3` (about 15 minutes with `--requests 500`; no
+engines, but it wants the machine quiet). Writes bench/results/router_stubs.json.
 """
 from __future__ import annotations
 
