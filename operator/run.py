@@ -31,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DISAGG_METRICS_PORT", "8080")),
                    help="Prometheus metrics port (0 disables)")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint URL")
-    p.add_argument("--resync-seconds", type=float, default=300.0, help="periodic drift-correction interval")
+    p.add_argument("--resync-seconds", type=float, default=300.0,
+                   help="periodic drift-correction interval (default 300): a thorough pass of every CR, one at a "
+                        "time, each after the passes queued for a slot (waiting at most this long per round)")
     p.add_argument("--rendezvous-url-template",
                    default=os.environ.get("DISAGG_RENDEZVOUS_URL_TEMPLATE", DEFAULT_RENDEZVOUS_TEMPLATE),
                    help="where the operator reads each deployment's rendezvous (for the engines' reported transport, "
