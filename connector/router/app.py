@@ -363,7 +363,7 @@ class Router:
 
     def app(self, freeze_gc: bool = False) -> web.Application:
         """`freeze_gc`: once started, exempt every object alive then from cycle collection (see
-        `freeze_startup_objects`); for the router process, not for an app embedded in another program."""
+        `_freeze_when_started`); for the router process, not for an app embedded in another program."""
         app = web.Application(client_max_size=MAX_BODY, middlewares=[_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -386,16 +386,13 @@ class Router:
         await self.session.close()
 
 
-def freeze_startup_objects() -> None:
+async def _freeze_when_started(_app: web.Application) -> None:
     """Move everything alive at start-up (modules, the app, the session: about 50,000 objects) out of the cycle
     collector's reach. A full collection otherwise walks them all and stops every request in flight for 15-30 ms
-    on a small core, once every few thousand requests. What requests create is still collected."""
+    on a small core, once every few thousand requests. What requests create is still collected. (on_startup runs
+    after cleanup_ctx's start: the client session exists by now.)"""
     gc.collect()
     gc.freeze()
-
-
-async def _freeze_when_started(_app: web.Application) -> None:
-    freeze_startup_objects()  # on_startup runs after cleanup_ctx's start: the client session exists by now
 
 
 def error_response(status: int, message: str) -> web.Response:
