@@ -449,10 +449,9 @@ class Reconciler:
 
     def take_verify(self, key: Key) -> bool:
         """Whether this pass must be thorough; asking consumes the request."""
-        if key in self._verify:
-            self._verify.discard(key)
-            return True
-        return False
+        asked = key in self._verify
+        self._verify.discard(key)
+        return asked
 
     def drift_pending(self, key: Key) -> bool:
         """Whether a child of this CR was found changed under us once its apply returned: the next pass of the CR
