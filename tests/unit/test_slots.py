@@ -24,18 +24,22 @@ class Holder:
         then()
 
 
+def queued(slots: Slots, order: list[str], passes) -> list[asyncio.Task]:
+    """A task per (name, urgent) in `passes`: each takes a slot, records its name in `order` and frees the slot."""
+    async def one(name: str, urgent: bool) -> None:
+        async with slots.take(name, urgent=urgent):
+            order.append(name)
+
+    return [asyncio.create_task(one(name, urgent)) for name, urgent in passes]
+
+
 def test_urgent_passes_go_first_and_the_others_keep_their_arrival_order():
     async def scenario():
         slots, order = Slots(1), []
         holder = Holder(slots)
         await holder.holding.wait()
-
-        async def one(name: str, urgent: bool):
-            async with slots.take(name, urgent=urgent):
-                order.append(name)
-
-        waiters = [asyncio.create_task(one(n, u)) for n, u in
-                   (("full-1", False), ("status-1", False), ("full-2", False), ("ready-1", True), ("ready-2", True))]
+        waiters = queued(slots, order, (("full-1", False), ("status-1", False), ("full-2", False),
+                                        ("ready-1", True), ("ready-2", True)))
         await until_waiting(slots, (2, 3))
         holder.release.set()
         await asyncio.gather(holder.task, *waiters)
@@ -49,12 +53,7 @@ def test_a_waiting_pass_promoted_to_urgent_goes_after_the_urgent_already_waiting
         slots, order = Slots(1), []
         holder = Holder(slots)
         await holder.holding.wait()
-
-        async def one(name: str, urgent: bool):
-            async with slots.take(name, urgent=urgent):
-                order.append(name)
-
-        waiters = [asyncio.create_task(one(n, u)) for n, u in (("a", False), ("b", False), ("c", True))]
+        waiters = queued(slots, order, (("a", False), ("b", False), ("c", True)))
         await until_waiting(slots, (1, 2))
         slots.promote("b")
         slots.promote("c")  # already urgent: stays where it is
@@ -158,20 +157,16 @@ def test_drained_returns_once_no_pass_waits_for_a_slot():
         await holder.holding.wait()
         await asyncio.wait_for(slots.drained(), 1)  # a pass holding its slot is not a backlog
 
-        async def one(name: str):
-            async with slots.take(name, urgent=False):
-                events.append(name)
-
         async def resync():
             await slots.drained()
             events.append("drained")
 
-        first, second = asyncio.create_task(one("a")), asyncio.create_task(one("b"))
+        passes = queued(slots, events, (("a", False), ("b", False)))
         await until_waiting(slots, (0, 2))
         waiter = asyncio.create_task(resync())
         holder.release.set()  # "a" gets the slot, "b" still waits
         await holder.task
-        await asyncio.gather(first, second, waiter)
+        await asyncio.gather(*passes, waiter)
         return events
 
     # "drained" once "b" was handed the slot, whatever order the tasks then ran in; not before "a" was.
