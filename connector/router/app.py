@@ -74,9 +74,18 @@ class Metrics:
 
 class UpstreamFailed(Exception):
     def __init__(self, role: str, engine_id: str, kind: str, detail: str, status: int | None = None,
-                 body: Any = None):
+                 body: Any = None, *, timeout: bool = False, refused: bool = False):
         super().__init__(f"{role} engine {engine_id}: {kind}: {detail}")
         self.role, self.engine_id, self.kind, self.status, self.body = role, engine_id, kind, status, body
+        self.timeout, self.refused = timeout, refused
+
+    @classmethod
+    def of(cls, role: str, engine_id: str, e: BaseException) -> UpstreamFailed:
+        """`timeout`: the engine took the connection and did not answer in time (aiohttp's read timeouts are
+        TimeoutError subclasses; a connect timeout is not one of these). `refused`: no connection at all."""
+        timeout = isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ConnectionTimeoutError)
+        refused = isinstance(e, aiohttp.ClientConnectorError)
+        return cls(role, engine_id, type(e).__name__, str(e) or "timeout", timeout=timeout, refused=refused)
 
     @property
     def client_error(self) -> bool:
@@ -85,12 +94,12 @@ class UpstreamFailed(Exception):
     @property
     def retryable(self) -> bool:
         """Worth one more attempt on another pair: raised before the client got any of the answer (a failure
-        after that ends the stream instead), and not a timeout (the client has waited that long already).
+        after that ends the stream instead), and not a read timeout (the client has waited that long already).
 
         A decode that fails this early is usually stopping (vLLM answers 500 once its shutdown began, before its
         engine has left the rendezvous) or gone; the retry runs both legs again with a new request id, so
         nothing of the first attempt's KV is reused."""
-        return not self.client_error and self.kind != "TimeoutError"
+        return not self.client_error and not self.timeout
 
 
 @dataclass
@@ -142,7 +151,7 @@ class Router:
                                          r.status, _json_or_text(text))
                 return json.loads(text)
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:  # ValueError: not JSON
-            raise UpstreamFailed(role, engine.engine_id, type(e).__name__, str(e) or "timeout") from e
+            raise UpstreamFailed.of(role, engine.engine_id, e) from e
 
     async def _open_decode(self, engine: EngineAdvertisement, path: str, body: dict[str, Any], rid: str,
                            tl: Attempt) -> aiohttp.ClientResponse:
@@ -152,7 +161,7 @@ class Router:
             resp = await self.session.post(f"{engine.http_url}{path}", json=body, headers={"X-Request-Id": rid},
                                            timeout=self._timeout())
         except (TimeoutError, aiohttp.ClientError) as e:
-            raise UpstreamFailed("decode", engine.engine_id, type(e).__name__, str(e) or "timeout") from e
+            raise UpstreamFailed.of("decode", engine.engine_id, e) from e
         if resp.status != 200:
             try:
                 text = (await resp.read()).decode("utf-8", errors="replace")
@@ -215,8 +224,8 @@ class Router:
                 if not e.retryable:
                     break
                 tried.add(e.engine_id)
-                if e.kind != "status":
-                    self.pool.mark_down(e.engine_id)
+                if e.refused:
+                    self.pool.refused(e.engine_id)
         if last is None:
             log.warning("no pair: engines %s, down %s", [(e.role, e.engine_id) for e in self.pool.engines()],
                         sorted(self.pool.down))
@@ -289,7 +298,7 @@ class Router:
             self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
             return out
         except (TimeoutError, aiohttp.ClientError) as e:
-            failed = UpstreamFailed("decode", served[DECODE_HEADER], type(e).__name__, str(e) or "timeout")
+            failed = UpstreamFailed.of("decode", served[DECODE_HEADER], e)
             if out is None:
                 raise failed from e
             # The client has the 200 and part of the stream: a second status line would corrupt it. End the
@@ -332,8 +341,10 @@ class Router:
                 async with self.session.get(f"{engine.http_url}/v1/models", timeout=self._timeout()) as r:
                     if r.status == 200:
                         return web.json_response(json.loads(await r.read()))
-            except (TimeoutError, aiohttp.ClientError):
-                self.pool.mark_down(engine.engine_id)
+            except (TimeoutError, aiohttp.ClientError) as e:  # ask the next engine
+                log.warning("engine %s: /v1/models: %s", engine.engine_id, type(e).__name__)
+                if isinstance(e, aiohttp.ClientConnectorError):
+                    self.pool.refused(engine.engine_id)
             except ValueError:  # not JSON (or not UTF-8): ask the next engine
                 log.warning("engine %s answered /v1/models with something other than JSON", engine.engine_id)
         return error_response(503, "no healthy decode engine")

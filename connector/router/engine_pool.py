@@ -1,9 +1,17 @@
 """Which engines the router may use right now, and how busy each is.
 
-Engines come from the rendezvous (EngineCache) or from a static list. Probes run every second. A dead
-engine (connection refused or reset) leaves rotation at the first failed probe or request, so it is out
-within two seconds; a slow one (probe timeouts) only after `slow_strikes` timeouts in a row, so a busy
-engine on a saturated host is not dropped for being slow. A successful probe brings an engine back.
+Engines come from the rendezvous (EngineCache) or from a static list. Whether an engine is down is decided by its
+health, probed every second (`probe_once`), and by nothing a request saw, with one exception:
+- a probe that is refused or reset, or a /health that is not 200: down at once;
+- a probe that times out: down only after `slow_strikes` timeouts in a row, so a busy engine on a saturated host is
+  not dropped for being slow;
+- a good probe: up again. Every round replaces the whole down set.
+- Between rounds, a request whose connection to an engine is refused (nothing listens, or no route: not slow,
+  gone) takes it out at once (`refused`), until the next round confirms or clears it.
+A request that times out, is reset, loses its stream or gets a 5xx proves nothing about the engine: a read timeout
+is a slow request (a decode waiting for KV that never comes, a long queue), and a reset mid-stream under load may be
+a client abort passed on or an engine dying; the probes tell which within a second. The failed request still avoids
+that engine for its own retry (the router's `tried` set).
 """
 from __future__ import annotations
 
@@ -50,7 +58,9 @@ class EnginePool:
                 return min(matches, key=lambda e: (self.outstanding[e.engine_id], e.engine_id)), decode
         return None
 
-    def mark_down(self, engine_id: str) -> None:
+    def refused(self, engine_id: str) -> None:
+        """A request could not connect to the engine: down until the next probe round decides. The only
+        request-level evidence the pool takes (the module docstring says why)."""
         self.down.add(engine_id)
 
     async def probe_forever(self, session: aiohttp.ClientSession) -> None:

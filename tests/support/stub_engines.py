@@ -57,8 +57,10 @@ class Leg:
 class StubEngine:
     """One stand-in engine. `fail_status`: answer prefill legs with this HTTP status (after `hold(request_id)`
     returns, if set). `board`: decode legs wait for their KV there; without one they answer at once.
-    `decode_status`: answer decode legs with this status; `decode_dies_after`: stream this many chunks, then drop
-    the connection. `health_status`, `health_hangs`: what /health does; `models_body`: what /v1/models answers."""
+    `decode_status`: answer decode legs with this status; a streamed decode leg sends its 200 and headers at once
+    (as vLLM does, before any token), then `tokens` chunks: `decode_hold(request_id, i)`, if set, is awaited before
+    chunk i (before the answer, i = 0, when not streamed); `decode_dies_after`: drop the connection before that
+    chunk. `health_status`, `health_hangs`: what /health does; `models_body`: what /v1/models answers."""
 
     def __init__(self, engine_id: str, role: str, *, mode: str = "push", board: KvBoard | None = None,
                  max_model_len: int = 8192, layout_key: str | None = None, block_size: int = 16) -> None:
@@ -67,6 +69,8 @@ class StubEngine:
         self.fail_status: int | None = None
         self.decode_status = 200
         self.decode_dies_after: int | None = None
+        self.decode_hold: Callable[[str, int], Awaitable[None]] | None = None
+        self.tokens = ["b", "c"]
         self.health_status = 200
         self.health_hangs = False
         self.models_body: bytes | None = None
@@ -84,7 +88,8 @@ class StubEngine:
         return advert(self.engine_id, role=self.role, kv_mode=self.mode, http_url=self.url,
                       block_size=self.block_size, **extra)
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
+        """Serve on `port` (0: a free one); an engine started again at its old port is back at its address."""
         app = web.Application(client_max_size=64 << 20)
         for path in PATHS:
             app.router.add_post(path, self._generate)
@@ -93,7 +98,7 @@ class StubEngine:
         # Cancel a handler when the router closes its connection: that is how the router aborts a leg.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        await web.TCPSite(self._runner, "127.0.0.1", port).start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
         return self.url
 
@@ -168,13 +173,18 @@ class StubEngine:
         if self.decode_status != 200:
             return web.json_response({"error": {"message": f"stand-in {self.engine_id} fails", "code":
                                                 self.decode_status}}, status=self.decode_status)
-        text = ["b", "c"]
         if not (isinstance(leg.body, dict) and leg.body.get("stream") is True):
+            if self.decode_hold is not None:
+                await self.decode_hold(leg.request_id, 0)
             return web.json_response({"id": leg.request_id, "object": "text_completion", "model": "tiny",
-                                      "choices": [{"index": 0, "text": "".join(text), "finish_reason": "length"}]})
+                                      "choices": [{"index": 0, "text": "".join(self.tokens),
+                                                   "finish_reason": "length"}]})
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
-        for i, t in enumerate(text):
+        await out.write(b"")  # aiohttp holds the headers back until the first chunk; vLLM's server does not
+        for i, t in enumerate(self.tokens):
+            if self.decode_hold is not None:
+                await self.decode_hold(leg.request_id, i)
             if i == self.decode_dies_after:
                 assert request.transport is not None
                 request.transport.abort()  # the engine dies mid-stream
