@@ -274,6 +274,11 @@ class Router:
 
     async def _relay(self, request: web.Request, endpoint: str, resp: aiohttp.ClientResponse,
                      tl: Attempt, served: dict[str, str]) -> web.StreamResponse:
+        """Decode's answer to the client. The client's response starts only with decode's first chunk (the whole
+        answer, when not streamed): a decode that fails before it raises UpstreamFailed, and the request may be
+        retried on another pair, since the client has nothing of it yet. A failure after it ends the stream with an
+        error event, then the stream's proper end. vLLM sends its 200 and headers before the first token, so
+        relaying them at once would commit the request to a decode that may still die before answering."""
         mode = self.s.mode
         out: web.StreamResponse | None = None
         try:
@@ -283,10 +288,13 @@ class Router:
                 self._observe(tl)
                 self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
                 return web.Response(body=raw, status=200, content_type="application/json", headers=served)
+            chunk = await resp.content.readany()
+            if not chunk:
+                raise UpstreamFailed("decode", served[DECODE_HEADER], "empty", "stream ended before its first chunk")
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                           "Cache-Control": "no-cache", **served})
             await out.prepare(request)
-            async for chunk in resp.content.iter_any():
+            while chunk:
                 if tl.first_token is None and b"data:" in chunk:
                     tl.first_token = time.monotonic()
                     self._observe(tl)
@@ -294,6 +302,7 @@ class Router:
                     await out.write(chunk)
                 except ConnectionResetError:  # the client went away: no one to answer; release() aborts decode
                     return out
+                chunk = await resp.content.readany()
             await out.write_eof()
             self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
             return out

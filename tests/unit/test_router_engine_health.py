@@ -55,7 +55,7 @@ async def hang(_rid: str, _i: int) -> None:
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("stream", [False])
+@pytest.mark.parametrize("stream", [False, True])
 async def test_a_read_timeout_is_not_retried_and_leaves_the_engine_in_rotation(stream):
     """One request that read-times-out on d-1 (a decode waiting for KV that never comes) fails alone: 502, not
     retried (the client has waited that long already), and d-1 serves the next request. Before, aiohttp's read
@@ -72,6 +72,24 @@ async def test_a_read_timeout_is_not_retried_and_leaves_the_engine_in_rotation(s
         d_1.decode_hold = None
         status, decode, body = await post(url, stream)
         assert (status, decode) == (200, "d-1"), body
+
+
+@pytest.mark.timeout(30)
+async def test_a_reset_is_retried_elsewhere_and_the_engine_leaves_only_by_its_probe():
+    """d-1 drops its decode connections; its health is still good: the request is retried on d-2, and d-1 stays
+    in rotation. Once its /health fails, the probes take it out, and requests go to d-2 from the first attempt."""
+    async with pair_and_spare() as (url, router, d_1, d_2):
+        d_1.decode_dies_after = 0
+        status, decode, body = await post(url, stream=True)
+        assert (status, decode) == (200, "d-2"), body
+        assert metric(router, "disagg_router_decode_retries_total") == 1
+        assert router.pool.down == set()
+
+        d_1.health_status = 503
+        await until(lambda: router.pool.down == {"d-1"})
+        status, decode, _ = await post(url, stream=True)
+        assert (status, decode) == (200, "d-2")
+        assert len(d_1.legs) == 1 and metric(router, "disagg_router_decode_retries_total") == 1
 
 
 @pytest.mark.timeout(30)

@@ -205,3 +205,68 @@ async def test_a_decode_that_dies_mid_stream_ends_the_stream_with_an_error_event
         assert metric(router, "disagg_router_upstream_errors_total", role="decode", kind="ClientPayloadError") == 1
         assert metric(router, "disagg_router_decode_retries_total") == 0
         assert metric(router, "disagg_router_prefill_retries_total") == 0
+
+
+def events(body: bytes) -> list[dict]:
+    return [json.loads(e.removeprefix(b"data: ")) for e in body.split(b"\n\n") if e and e != b"data: [DONE]"]
+
+
+@pytest.mark.timeout(30)
+async def test_a_decode_that_dies_after_its_headers_and_before_its_first_token_is_retried_on_another_pair():
+    """vLLM sends its 200 and headers before the first token. The router starts the client's answer only with
+    decode's first chunk, so a decode that dies in between is retried like one that refused: the client sees one
+    200 with the whole stream of the other pair, and no error event."""
+    board = KvBoard()
+    p_a = StubEngine("p-a", "prefill", board=board)
+    d_1, d_2 = StubEngine("d-1", "decode", board=board), StubEngine("d-2", "decode", board=board)
+    d_1.decode_dies_after = 0
+    async with stub_engines(p_a, d_1, d_2):
+        engines = [p_a.advertisement(), d_1.advertisement(), d_2.advertisement()]
+        router = Router(EnginePool("push", lambda: engines), Settings(mode="push"))
+        async with serving(router.app()) as url, asyncio.timeout(10):
+            status, headers, body = await post(url, stream=True)
+    assert status == 200, body
+    assert (headers[PREFILL_HEADER], headers[DECODE_HEADER]) == ("p-a", "d-2")
+    assert [e["choices"][0]["text"] for e in events(body)] == ["b", "c"] and body.endswith(b"data: [DONE]\n\n")
+    [failed], [served] = d_1.legs, d_2.legs
+    assert headers["X-Request-Id"] == served.request_id != failed.request_id
+    assert metric(router, "disagg_router_decode_retries_total") == 1
+    assert metric(router, "disagg_router_upstream_errors_total", role="decode", kind="ClientPayloadError") == 1
+    assert metric(router, "disagg_router_requests_total", mode="push", endpoint="completions", status="200") == 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_decode_that_dies_before_its_first_token_with_no_other_pair_is_a_clean_502():
+    async with deployment("push") as (url, router, p_a, p_b, d_1):
+        d_1.decode_dies_after = 0
+        async with asyncio.timeout(10):
+            status, headers, body = await post(url, stream=True)
+        assert status == 502 and headers["Content-Type"].startswith("application/json")
+        assert json.loads(body)["error"]["code"] == 502 and "decode engine d-1" in json.loads(body)["error"]["message"]
+        assert len(d_1.legs) == 1 and metric(router, "disagg_router_decode_retries_total") == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_decode_that_stalls_after_its_first_token_ends_the_stream_with_an_error_event_not_a_hang():
+    """The client has the first token: no retry is possible. A decode that stops sending (a hung engine) ends the
+    stream after the read timeout with the error event and the stream's end; the leg is aborted."""
+    board = KvBoard()
+    p_a = StubEngine("p-a", "prefill", board=board)
+    d_1 = StubEngine("d-1", "decode", board=board)
+
+    async def stall_after_first(_rid: str, i: int) -> None:
+        if i == 1:
+            await asyncio.Event().wait()
+
+    d_1.decode_hold = stall_after_first
+    async with stub_engines(p_a, d_1):
+        engines = [p_a.advertisement(), d_1.advertisement()]
+        router = Router(EnginePool("push", lambda: engines), Settings(mode="push", request_timeout=0.3))
+        async with serving(router.app()) as url, asyncio.timeout(10):
+            status, _, body = await post(url, stream=True)
+            await d_1.wait_for(lambda: d_1.cancelled == [d_1.legs[0].request_id])
+    assert status == 200
+    [first, error] = events(body)
+    assert first["choices"][0]["text"] == "b"
+    assert error["error"]["code"] == 502 and "SocketTimeoutError" in error["error"]["message"]
+    assert router.pool.down == set()
