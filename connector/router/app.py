@@ -240,6 +240,7 @@ class Router:
         self.pool.outstanding[decode.engine_id] += 1
         prefill_task: asyncio.Task[Any] | None = None
         decode_task: asyncio.Task[aiohttp.ClientResponse] | None = None
+        relayed = False  # _relay owns the decode response from here on
         try:
             prefill_task = asyncio.create_task(
                 self._post_json("prefill", prefill, path, pd.prefill_body(endpoint, body), rid))
@@ -262,6 +263,7 @@ class Router:
             if tl.decode_sent is not None and tl.decode_sent < tl.prefill_done:
                 self.m.decode_early.labels(mode=self.s.mode).inc()
             served = {"X-Request-Id": rid, PREFILL_HEADER: prefill.engine_id, DECODE_HEADER: decode.engine_id}
+            relayed = True
             return await self._relay(request, endpoint, resp, tl, served)
         except ValueError as e:  # prefill answered without usable transfer params
             raise UpstreamFailed("prefill", prefill.engine_id, "protocol", str(e)) from e
@@ -269,6 +271,12 @@ class Router:
             for task in (prefill_task, decode_task):
                 if task is not None and not task.done():
                     task.cancel()  # closing the upstream connection aborts the request in vLLM
+            if decode_task is not None and decode_task.done() and not decode_task.cancelled() \
+                    and decode_task.exception() is None and not decode_task.result().closed and not relayed:
+                # Decode answered (its stream is open, waiting for KV) but the request ends before its relay (the
+                # client went away, or prefill failed): close that stream too, so vLLM aborts the decode leg now
+                # rather than at its registration timeout.
+                decode_task.result().close()
             self.pool.outstanding[prefill.engine_id] -= 1
             self.pool.outstanding[decode.engine_id] -= 1
 

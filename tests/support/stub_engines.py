@@ -167,21 +167,24 @@ class StubEngine:
                                    "tp_size": 1}})
 
     async def _decode(self, request: web.Request, leg: Leg) -> web.StreamResponse:
-        waits_for = leg.params.get("remote_request_id")
-        if self.board is not None and isinstance(waits_for, str):
-            await self.board.wait(waits_for)  # the KV handoff: prefill's WRITE (push) or READ (pull)
         if self.decode_status != 200:
             return web.json_response({"error": {"message": f"stand-in {self.engine_id} fails", "code":
                                                 self.decode_status}}, status=self.decode_status)
-        if not (isinstance(leg.body, dict) and leg.body.get("stream") is True):
+        streamed = isinstance(leg.body, dict) and leg.body.get("stream") is True
+        if streamed:
+            # vLLM answers a streamed request with its 200 and headers at once, before its KV has come.
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(b"")  # aiohttp holds the headers back until the first chunk; vLLM's server does not
+        waits_for = leg.params.get("remote_request_id")
+        if self.board is not None and isinstance(waits_for, str):
+            await self.board.wait(waits_for)  # the KV handoff: prefill's WRITE (push) or READ (pull)
+        if not streamed:
             if self.decode_hold is not None:
                 await self.decode_hold(leg.request_id, 0)
             return web.json_response({"id": leg.request_id, "object": "text_completion", "model": "tiny",
                                       "choices": [{"index": 0, "text": "".join(self.tokens),
                                                    "finish_reason": "length"}]})
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(b"")  # aiohttp holds the headers back until the first chunk; vLLM's server does not
         for i, t in enumerate(self.tokens):
             if self.decode_hold is not None:
                 await self.decode_hold(leg.request_id, i)
