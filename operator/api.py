@@ -182,6 +182,11 @@ class EngineSpec(Model):
     """Extra vLLM arguments appended for both roles."""
     env: list[EnvVar] = Field(default_factory=list)
     """Extra environment variables for both roles."""
+    restarted_at: str | None = Field(default=None, min_length=1, max_length=128)
+    """Set to a new value (by convention the time, `date -Iseconds`) to restart every engine in a rollout, as
+    `kubectl rollout restart` does for a Deployment: the value goes into both roles' pod templates, so it starts a
+    new revision. A new revision is also what takes the connector plugin of the operator now running: upgrading
+    the operator changes no engine by itself, and existing revisions keep the plugin they were made with."""
 
 
 class KVTransferSpec(Model):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from disagg.connector.wire import env as wire_env
@@ -30,6 +32,7 @@ SHM_DIR = "/dev/shm"
 TERMINATION_LOG = "/dev/termination-log"
 HUGEPAGES = "hugepages-2Mi"
 LAUNCH_HASH_ANNOTATION = "serving.disagg.io/launch-script-hash"
+RESTARTED_AT_ANNOTATION = "serving.disagg.io/restarted-at"
 ZONE_KEY = "topology.kubernetes.io/zone"
 HOST_KEY = "kubernetes.io/hostname"
 NETWORK_LAYER_KEY = "topology.k8s.aws/network-node-layer-3"
@@ -320,6 +323,51 @@ def engine_revision(cr: DisaggregatedInference, images: OperatorImages) -> str:
     return names.revision_hash([_pod_template(cr, role, images, None) for role in names.ENGINE_ROLES])
 
 
+@dataclass(frozen=True)
+class Pinned:
+    """The revision the spec asks for, and the images its engines run (`images.plugin_image` is its plugin)."""
+
+    revision: str
+    images: OperatorImages
+
+
+def pinned_revision(cr: DisaggregatedInference, images: OperatorImages,
+                    running: Iterable[tuple[str, str]]) -> Pinned:
+    """The revision the spec asks for under an operator running `images`, given the revisions whose StatefulSets
+    exist and the plugin image each runs (`running`, newest first).
+
+    Invariants:
+    - the operator's own image alone never makes a new revision: when the spec, rendered with the plugin image a
+      running revision has, gives exactly that revision, that revision is the target and keeps its image. So
+      an upgraded operator (a new image, a new flag) rolls no engine, and a spec applied again, a rollback among
+      them, finds the revision it had;
+    - anything else (a change of what the engines run, `spec.engine.restartedAt`) makes the revision this
+      operator renders: the new revision takes the operator's current plugin image;
+    - the revision is still the hash of both roles' pod templates (`engine_revision`), the pinned image in
+      them; with several matches the one this operator renders wins, then the newest.
+    Pure; costs one rendering of both templates, plus one per running revision whose plugin image differs."""
+    own = engine_revision(cr, images)
+    if not cr.spec.uses_plugin:
+        return Pinned(own, images)
+    running = list(running)
+    if any(name == own for name, _ in running):
+        return Pinned(own, images)
+    for name, plugin in running:
+        if plugin == images.plugin_image:
+            continue
+        pinned = replace(images, plugin=plugin)
+        if engine_revision(cr, pinned) == name:
+            return Pinned(name, pinned)
+    return Pinned(own, images)
+
+
+def plugin_image_of(statefulset: Mapping[str, Any]) -> str | None:
+    """The image of a StatefulSet's plugin init container, None when it has none."""
+    pod_spec = ((statefulset.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return next((str(c["image"]) for c in pod_spec.get("initContainers") or []
+                 if c.get("name") == PLUGIN_CONTAINER and c.get("image")), None)
+
+
 def engine_pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorImages,
                         revision: str) -> dict[str, Any]:
     return _pod_template(cr, role_name, images, revision)
@@ -351,7 +399,7 @@ def _pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorIm
     # engine imports it from there through PYTHONPATH, read-only.
     install = {
         "name": PLUGIN_CONTAINER,
-        "image": images.operator,
+        "image": images.plugin_image,
         "command": ["disagg", "install-plugin", PLUGIN_DIR],
         "volumeMounts": [{"name": PLUGIN_VOLUME, "mountPath": PLUGIN_DIR}],
         "resources": plugin_install_resources(spec),
@@ -378,12 +426,12 @@ def _pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorIm
     if affinity:
         pod_spec["affinity"] = affinity
     script = launch_script(spec, role_name)
+    # The script (vLLM args) lives in a ConfigMap; this hash rolls the pods when it changes.
+    annotations = {LAUNCH_HASH_ANNOTATION: hashlib.sha256(script.encode()).hexdigest()[:16]}
+    if spec.engine.restarted_at is not None:  # absent when unset: a CR that never asked keeps its revision
+        annotations[RESTARTED_AT_ANNOTATION] = spec.engine.restarted_at
     template: dict[str, Any] = {
-        "metadata": {
-            "labels": names.labels(name, role_name),
-            # The script (vLLM args) lives in a ConfigMap; this hash rolls the pods when it changes.
-            "annotations": {LAUNCH_HASH_ANNOTATION: hashlib.sha256(script.encode()).hexdigest()[:16]},
-        },
+        "metadata": {"labels": names.labels(name, role_name), "annotations": annotations},
         "spec": pod_spec,
     }
     if role.pod_template:

@@ -154,13 +154,17 @@ def _copied(meta: Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
 
 def statefulset_view(body: Mapping[str, Any]) -> dict[str, Any]:
     """What the rollout and status read of a StatefulSet (a copy: kopf updates its bodies in place). Of the pod
-    template only the engine's env: the layout key of a StatefulSet made before revisions."""
+    template only the containers' env (the layout key of a StatefulSet made before revisions) and the init
+    containers' images (the plugin a revision runs, which an upgraded operator keeps)."""
     meta, spec = body.get("metadata") or {}, body.get("spec") or {}
-    containers = ((spec.get("template") or {}).get("spec") or {}).get("containers") or []
+    pod_spec = (spec.get("template") or {}).get("spec") or {}
     return {
         "metadata": _copied(meta, ("name", "uid", "generation", "labels", "annotations", "creationTimestamp")),
-        "spec": {"replicas": spec.get("replicas"), "template": {"spec": {"containers": [
-            {"name": c.get("name"), "env": copy.deepcopy(c.get("env") or [])} for c in containers]}}},
+        "spec": {"replicas": spec.get("replicas"), "template": {"spec": {
+            "initContainers": [{"name": c.get("name"), "image": c.get("image")}
+                               for c in pod_spec.get("initContainers") or []],
+            "containers": [{"name": c.get("name"), "env": copy.deepcopy(c.get("env") or [])}
+                           for c in pod_spec.get("containers") or []]}}},
         "status": copy.deepcopy(dict(body.get("status") or {})),
     }
 
@@ -279,7 +283,8 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         failed: ApplyFailed | None = None
         if full:
             try:
-                outcome = await reconciler.apply_children(cr, thorough=thorough, still_there=still_there)
+                outcome = await reconciler.apply_children(cr, list(sts_index.get(key) or ()), thorough=thorough,
+                                                          still_there=still_there)
             except ApplyFailed as e:
                 if e.code == 403 and "being terminated" in str(e):
                     return  # the namespace is going away with the CR in it; nothing to converge to
@@ -318,7 +323,8 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
                 if rollout is None:
                     return  # deleted meanwhile
         # A refused child stays in Degraded (reconciler.apply_error) until a full pass applies every child.
-        revision = rollout.revision if rollout else reconciler.revision(cr)  # rendering both templates costs
+        # (rendering both templates costs: the rollout's revision when it has one)
+        revision = rollout.revision if rollout else reconciler.revision(cr, statefulsets).revision
         observed = observe(namespace, name, revision, statefulsets, deploy_index, pod_problem_index, report,
                            sts_event_index, reconciler.apply_error(key) or (str(failed) if failed else None), rollout)
         # Read the rendezvous again now, not at the next poll, when it lags the pods: its answer, if it changed,

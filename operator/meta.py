@@ -18,9 +18,17 @@ DEFAULT_NAMESPACE = "default"
 
 @dataclass(frozen=True)
 class OperatorImages:
-    """Images the operator runs itself: router, rendezvous and the plugin init container."""
+    """Images the operator gives its children: the router and rendezvous run `operator`, the engines' plugin init
+    container `plugin_image`. The operator's own image by default; a revision made by an earlier operator keeps
+    the plugin it was made with (engine_builders.pinned_revision), so an upgraded operator rolls no engine."""
 
     operator: str = DEFAULT_OPERATOR_IMAGE
+    plugin: str | None = None
+    """The plugin init container's image when it is not `operator`."""
+
+    @property
+    def plugin_image(self) -> str:
+        return self.plugin or self.operator
 
 
 DEFAULT_IMAGES = OperatorImages()

@@ -27,7 +27,8 @@ from lightkube.types import PatchType
 
 from . import api, metrics, names
 from .bindings import BindingCollector, DinfResource, live_cr
-from .builders import OperatorImages, build_children, endpoint_url, engine_revision, engine_statefulset
+from .builders import OperatorImages, build_children, endpoint_url, engine_statefulset
+from .engine_builders import Pinned, pinned_revision
 from .meta import FIELD_MANAGER, object_meta
 from .meta import cr_name as meta_name
 from .meta import namespace_of as meta_namespace
@@ -157,21 +158,24 @@ class Reconciler:
         self.bindings = BindingCollector(client, self.namespaces, self.log)
         self._transport_status: dict[Key, str] = {}  # TransportVerified status last published per CR
         self._apply_errors: dict[Key, str] = {}  # CRs whose last full pass had a child refused, and why
-        self._revisions: dict[Key, tuple[tuple[str, str], str]] = {}  # ((uid, resourceVersion), its revision)
+        # (uid, resourceVersion, each running revision's plugin image) -> the revision and its images
+        self._revisions: dict[Key, tuple[tuple[str, str, tuple[tuple[str, str], ...]], Pinned]] = {}
         self.rollout = RolloutExecutor(client, self._apply_recorded, self.log)
 
     # -- children ----------------------------------------------------------------------------------------
     def still_there(self, namespace: str, name: str) -> StillThere:
         return StillThere(lambda: self.exists(namespace, name))
 
-    async def apply_children(self, cr: api.DisaggregatedInference, thorough: bool = False,
-                             still_there: StillThere | None = None) -> ApplyOutcome:
+    async def apply_children(self, cr: api.DisaggregatedInference, statefulsets: list[dict[str, Any]],
+                             thorough: bool = False, still_there: StillThere | None = None) -> ApplyOutcome:
         """Apply every child, unless `still_there` finds the CR deleted before the first write (`gone`); remember a
-        refusal (`apply_error`) until a later pass applies them all."""
+        refusal (`apply_error`) until a later pass applies them all. `statefulsets`: the CR's engine StatefulSets
+        as the watch shows them, for the revision (`revision`)."""
         key = (meta_namespace(cr), meta_name(cr))
         self._drift_owners.discard(key)  # this pass applies whatever drifted
         try:
-            outcome = await self._apply_children(cr, thorough, still_there or self.still_there(*key))
+            outcome = await self._apply_children(cr, self.revision(cr, statefulsets), thorough,
+                                                 still_there or self.still_there(*key))
         except ApplyFailed as e:
             self._apply_errors[key] = str(e)
             raise
@@ -182,10 +186,10 @@ class Reconciler:
         """Why the last full pass of this CR could not apply a child (the apiserver's message), or None."""
         return self._apply_errors.get(key)
 
-    async def _apply_children(self, cr: api.DisaggregatedInference, thorough: bool,
+    async def _apply_children(self, cr: api.DisaggregatedInference, pinned: Pinned, thorough: bool,
                               still_there: StillThere) -> ApplyOutcome:
         outcome = ApplyOutcome()
-        children = build_children(cr, images=self.images, statefulsets=False, revision=self.revision(cr))
+        children = build_children(cr, images=pinned.images, statefulsets=False, revision=pinned.revision)
         plan = plan_children(children, self.applied, self._drifted, thorough, self._watched)
         token = cr.spec.rendezvous.auth == "token"
         if (plan.to_apply or (token and self.token_secret_unverified(cr, thorough))) and not await still_there():
@@ -238,7 +242,8 @@ class Reconciler:
         before a write. Raises ApplyFailed when a write is refused."""
         key = (meta_namespace(cr), meta_name(cr))
         still_there = still_there or self.still_there(*key)
-        revision = self.revision(cr)
+        pinned = self.revision(cr, statefulsets)
+        revision = pinned.revision
         advertised: dict[str, str] | None = None
         if cr.spec.uses_plugin:
             advertised = {} if report is None or report.error else {
@@ -247,7 +252,7 @@ class Reconciler:
         observed, sets = revisions.observe(cr.spec, revision, statefulsets, pods, advertised, time.time(), policy)
 
         def build(role: Role, replicas: int) -> dict[str, Any]:
-            return engine_statefulset(cr, role, self.images, revision, replicas)
+            return engine_statefulset(cr, role, pinned.images, revision, replicas)
 
         try:
             if self.rollout.caught_up(key, statefulsets) and \
@@ -262,17 +267,20 @@ class Reconciler:
         return RolloutView(reason, message, revision, tuple(_revision_status(r, revision) for r in observed.revisions),
                            unlisted)
 
-    def revision(self, cr: api.DisaggregatedInference) -> str:
-        """The revision the spec asks for, as this operator renders it: rendered once per version of the CR (its
-        uid and resourceVersion; the builders are pure functions of the CR and the images), not once per pass."""
+    def revision(self, cr: api.DisaggregatedInference, statefulsets: list[dict[str, Any]]) -> Pinned:
+        """The revision the spec asks for and the images its engines run, with the plugin image of a running
+        revision the spec still renders to (engine_builders.pinned_revision). Rendered once per version of the CR
+        (its uid and resourceVersion) and of what runs (each revision's plugin image), not once per pass: the
+        builders are pure functions of these and the images."""
         key = (meta_namespace(cr), meta_name(cr))
-        version = (str(cr.metadata.get("uid") or ""), str(cr.metadata.get("resourceVersion") or ""))
+        running = tuple(revisions.plugin_images(revisions.group(statefulsets)))
+        version = (str(cr.metadata.get("uid") or ""), str(cr.metadata.get("resourceVersion") or ""), running)
         known = self._revisions.get(key)
         if known is not None and known[0] == version and version[1]:
             return known[1]
-        revision = engine_revision(cr, self.images)
-        self._revisions[key] = (version, revision)
-        return revision
+        pinned = pinned_revision(cr, self.images, running)
+        self._revisions[key] = (version, pinned)
+        return pinned
 
     async def _repair_current(self, key: Key, sets: list[revisions.RevisionSets], revision: str,
                               build: Callable[[Role, int], dict[str, Any]], thorough: bool,

@@ -18,6 +18,7 @@ from disagg.connector.wire import env as wire_env
 
 from .. import names
 from ..api import DisaggregatedInferenceSpec
+from ..engine_builders import plugin_image_of
 from ..meta import timestamp
 from .observe import Advertised, revision_state
 from .state import Observed, RevisionState, Role, RolloutPolicy, Target
@@ -86,6 +87,17 @@ def group(statefulsets: Iterable[Mapping[str, Any]]) -> list[RevisionSets]:
         layout = next((k for k in (_layout_of(s) for s in roles.values()) if k), "")
         out.append(RevisionSets(rev, layout, roles, created))
     return sorted(out, key=lambda r: (r.created, r.name))
+
+
+def plugin_images(sets: Iterable[RevisionSets]) -> list[tuple[str, str]]:
+    """(revision, the plugin image its engines run) of each revision with a plugin init container, newest first:
+    what `engine_builders.pinned_revision` matches the spec against."""
+    out = []
+    for rs in reversed(list(sets)):
+        image = next((i for i in map(plugin_image_of, rs.statefulsets.values()) if i), None)
+        if image is not None:
+            out.append((rs.name, image))
+    return out
 
 
 def observe(spec: DisaggregatedInferenceSpec, revision: str, statefulsets: Iterable[Mapping[str, Any]],

@@ -130,13 +130,13 @@ def test_the_apiserver_is_asked_whether_the_cr_exists_once_per_pass_and_only_bef
     r.exists = exists  # type: ignore[method-assign]
     r._apply = apply  # type: ignore[method-assign]
     answer = False
-    gone = asyncio.run(r.apply_children(cr()))
+    gone = asyncio.run(r.apply_children(cr(), []))
     assert gone.gone and applied == [] and asked == ["m"], "a CR found deleted gets no child"
     answer, asked[:] = True, []
-    first = asyncio.run(r.apply_children(cr()))
+    first = asyncio.run(r.apply_children(cr(), []))
     assert not first.gone and len(applied) == len(first.created) > 1 and asked == ["m"], "one question per pass"
     asked.clear()
-    assert asyncio.run(r.apply_children(cr())).unchanged and asked == [], "a pass that writes nothing asks nothing"
+    assert asyncio.run(r.apply_children(cr(), [])).unchanged and asked == [], "a pass that writes nothing asks nothing"
 
 
 def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserver():
@@ -161,21 +161,21 @@ def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserve
     r.exists = still_there  # type: ignore[method-assign]
     support = build_children(cr(), statefulsets=False)  # the engine StatefulSets are the rollout's to write
     assert len(support) == len(DESIRED) - 2
-    first = asyncio.run(r.apply_children(cr()))
+    first = asyncio.run(r.apply_children(cr(), []))
     assert len(first.created) == len(calls) == len(support)
     calls.clear()
-    again = asyncio.run(r.apply_children(cr()))
+    again = asyncio.run(r.apply_children(cr(), []))
     assert calls == [] and again.created == again.updated == [] and again.unchanged == len(support)
-    resync = asyncio.run(r.apply_children(cr(), thorough=True))
+    resync = asyncio.run(r.apply_children(cr(), [], thorough=True))
     assert len(calls) == len(support) and resync.created == resync.updated == []
     calls.clear()
     for echo in echoes:
         assert not r.child_changed(echo["kind"], echo)
-    assert asyncio.run(r.apply_children(cr(), thorough=True)).unchanged == len(support) and calls == [], \
+    assert asyncio.run(r.apply_children(cr(), [], thorough=True)).unchanged == len(support) and calls == [], \
         "once the watch has shown every child as applied, a resync sends nothing"
-    asyncio.run(r.apply_children(cr(decode={"replicas": 3})))
+    asyncio.run(r.apply_children(cr(decode={"replicas": 3}), []))
     assert calls == [], "replicas are the rollout's"
-    changed = asyncio.run(r.apply_children(cr(decode={"args": ["--max-num-seqs", "8"]})))
+    changed = asyncio.run(r.apply_children(cr(decode={"args": ["--max-num-seqs", "8"]}), []))
     [launch] = [c for c in calls if c.startswith("ConfigMap/")]
     assert launch != f"ConfigMap/{launch_configmap(DESIRED)['metadata']['name']}" and changed.created == [launch], \
         "a new revision gets its own launch scripts; the old revision's stay"
@@ -184,7 +184,7 @@ def test_apply_children_follows_the_plan_and_reports_creations_from_the_apiserve
     fresh = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
     fresh._apply = apply  # type: ignore[method-assign]
     fresh.exists = still_there  # type: ignore[method-assign]
-    assert asyncio.run(fresh.apply_children(cr(decode={"replicas": 3}))).created == []
+    assert asyncio.run(fresh.apply_children(cr(decode={"replicas": 3}), [])).created == []
 
 
 def test_a_statefulset_the_rollout_created_is_neither_applied_again_nor_its_echo_taken_for_drift():
@@ -211,25 +211,29 @@ def _version(c: DisaggregatedInference, rv: str, **spec) -> DisaggregatedInferen
     return DisaggregatedInference.model_validate(data)
 
 
-def test_the_revision_is_rendered_once_per_version_of_the_cr(monkeypatch):
-    from disagg.operator import reconciler as reconciler_module
+def test_the_revision_is_rendered_once_per_version_of_the_cr_and_of_what_runs(monkeypatch):
+    from disagg.operator import engine_builders
     rec = Reconciler(None, OperatorImages())  # type: ignore[arg-type]  # revision() sends no request
     calls: list[str] = []
-    real = reconciler_module.engine_revision
+    real = engine_builders.engine_revision
 
     def counting(c, images):
         calls.append(c.metadata["resourceVersion"])
         return real(c, images)
 
-    monkeypatch.setattr(reconciler_module, "engine_revision", counting)
+    monkeypatch.setattr(engine_builders, "engine_revision", counting)
     v1 = _version(cr(), "1")
-    first = rec.revision(v1)
-    assert rec.revision(v1) == first and rec.revision(_version(cr(), "1")) == first
+    first = rec.revision(v1, []).revision
+    assert rec.revision(v1, []).revision == first and rec.revision(_version(cr(), "1"), []).revision == first
     assert calls == ["1"], "an unchanged version is not rendered again"
     v2 = _version(cr(), "2", engine={"image": "vllm/vllm-openai:v9"})
-    assert rec.revision(v2) != first and calls == ["1", "2"], "a new version is rendered"
+    second = rec.revision(v2, []).revision
+    assert second != first and calls == ["1", "2"], "a new version is rendered"
     rec.forget(("ml", "m"))
-    assert rec.revision(v2) == rec.revision(v2) and calls == ["1", "2", "2"], "forgotten, it is rendered again"
+    assert rec.revision(v2, []).revision == second and calls == ["1", "2", "2"], "forgotten, it is rendered again"
+    sts = statefulset(build_children(cr(), images=OperatorImages("old:1")), "prefill", cr="m")
+    assert rec.revision(v2, [sts]).revision == second and calls == ["1", "2", "2", "2", "2"], \
+        "another revision running is a new question: the spec rendered with its plugin image too"
 
 
 def _racing(r: Reconciler, during) -> list[str]:
@@ -259,7 +263,7 @@ def _with_rv(obj, rv: str) -> dict:
 def test_the_echo_of_an_apply_seen_before_its_response_is_not_drift():
     r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
     _racing(r, lambda answer: [_with_rv(answer, "99"), answer])  # an older state, then our own write
-    asyncio.run(r.apply_children(cr()))
+    asyncio.run(r.apply_children(cr(), []))
     assert r._drifted == set() and not r.drift_pending(("ml", "m"))
 
 
@@ -271,11 +275,11 @@ def test_a_change_seen_after_the_echo_but_before_the_response_is_drift_and_makes
         return [answer, _with_rv(answer, "999")] if answer["kind"] in foreign else [answer]
 
     sent = _racing(r, during)
-    asyncio.run(r.apply_children(cr()))
+    asyncio.run(r.apply_children(cr(), []))
     [configmap] = [k for k in r._drifted]
     assert configmap[0] == "ConfigMap" and r.drift_pending(("ml", "m"))
     foreign.clear()
     sent.clear()
-    asyncio.run(r.apply_children(cr()))
+    asyncio.run(r.apply_children(cr(), []))
     assert sent == [configmap[2]], "the next full pass puts back what changed, and only that"
     assert r._drifted == set() and not r.drift_pending(("ml", "m"))
