@@ -127,8 +127,11 @@ def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dic
         command += ["--access-log", "-"]
     # Ready once it has read the rendezvous, whether or not a pair is up: a router that is not Ready takes the
     # Service's only endpoint away, and clients get refused connections instead of waiting for the pair.
+    # The router runs the operator's image, so an operator upgrade rolls it: one new router Ready before an old
+    # one stops, whatever the replicas (Kubernetes' default, 25% unavailable, stops one of four first).
     return _deployment(cr, names.ROUTER, names.router_name(name), spec.router.replicas, command,
-                       names.ROUTER_CONTAINER_PORT, images.operator, {"type": "RollingUpdate"},
+                       names.ROUTER_CONTAINER_PORT, images.operator,
+                       {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                        readiness_path="/readyz", liveness_path="/livez")
 
 

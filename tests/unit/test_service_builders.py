@@ -15,6 +15,9 @@ def test_router_and_rendezvous():
     children = build_children(cr, images=OperatorImages("img:1"))
     router = child(children, "Deployment", "qwen-router")
     assert router["spec"]["replicas"] == 2
+    # An operator upgrade rolls the routers: a new one Ready before an old one stops.
+    assert router["spec"]["strategy"] == {"type": "RollingUpdate",
+                                          "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     [c] = router["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "img:1"
     assert c["command"] == ["disagg", "router", "--mode", "push", "--rendezvous",
