@@ -14,9 +14,10 @@ import contextlib
 import gc
 import json
 import logging
+import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.synced = synced  # the engine source has been read once (the rendezvous' first snapshot)
         self.access_log = access_log
+        self.stopping = False  # SIGTERM came: not ready, so load balancers stop sending new connections
 
     async def _await_pair(self, exclude: AbstractSet[str]) -> tuple[EngineAdvertisement, EngineAdvertisement] | None:
         """A pair now, or within `pair_wait` seconds (an engine restarting, the rendezvous re-learning its engines
@@ -372,11 +374,20 @@ class Router:
         return web.json_response(body, status=200 if pair else 503)
 
     async def readyz(self, _request: web.Request) -> web.Response:
-        """Ready: the router knows the engines (it has read the rendezvous once), pair or not. Requests that find
-        no pair wait up to --pair-wait-seconds and then get a 503 that says why."""
+        """Ready: the router knows the engines (it has read the rendezvous once), pair or not, and is not stopping.
+        Requests that find no pair wait up to --pair-wait-seconds and then get a 503 that says why."""
+        if self.stopping:
+            return web.json_response({"status": "stopping"}, status=503)
         if self.synced():
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "syncing"}, status=503)
+
+    async def close_when_stopping(self, _request: web.Request, response: web.StreamResponse) -> None:
+        """Once stopping, every answer closes its connection: a keep-alive client's next request opens a new one,
+        which the Service sends to another router, instead of racing this router's close of idle connections."""
+        if self.stopping:
+            response.force_close()
+            response.headers["Connection"] = "close"  # the hook runs after aiohttp has set its own headers
 
     async def livez(self, _request: web.Request) -> web.Response:
         """Alive: the event loop answers. Unlike /health it never depends on the engines, so a liveness probe on
@@ -533,6 +544,40 @@ def main(args: argparse.Namespace) -> None:
             await client.close()
 
     app.cleanup_ctx.append(follow)
+    app.on_startup.append(_graceful_stop(router, args.stop_delay_seconds, args.drain_seconds))
+    app.on_response_prepare.append(router.close_when_stopping)
     # Cancel a request's handler when its client disconnects, so both upstream legs are aborted too.
+    # shutdown_timeout is half the drain: aiohttp waits that long for a handler in flight, then "cancels" its
+    # request (only the request body, which a handler relaying an answer no longer reads) and waits as long again
+    # before it cancels the handler. tests/unit/test_router_graceful_stop.py holds it to the whole drain.
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None, loop=event_loop(),
+                shutdown_timeout=args.drain_seconds / 2,
                 print=lambda *_: log.info("router (%s, %s) on %s:%d", args.mode, args.dispatch, args.host, args.port))
+
+
+def _graceful_stop(router: Router, delay: float, drain: float) -> Callable[[web.Application], Awaitable[None]]:
+    """SIGTERM: /readyz answers 503 at once, and the router serves as before (new connections too) for `delay`
+    seconds, since a Kubernetes Service's endpoints lag the SIGTERM and still send it new connections. Then
+    aiohttp's graceful stop (run_app's own, as on SIGINT): the listening socket closes (new connections are
+    refused), idle keep-alive connections close, and requests in flight, streams included, have `drain` seconds to
+    finish before they are cancelled. A second SIGTERM changes nothing."""
+
+    async def install(app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:
+            if router.stopping:
+                return
+            router.stopping = True
+            log.info("SIGTERM: not ready; serving %gs more, then draining requests in flight for at most %gs",
+                     delay, drain)
+            loop.call_later(delay, _graceful_exit)
+
+        loop.add_signal_handler(signal.SIGTERM, stop)  # replaces run_app's, which stops at once
+
+    return install
+
+
+def _graceful_exit() -> None:
+    log.info("stopped listening; draining")
+    raise web.GracefulExit  # what run_app's own signal handler raises: the loop stops, and run_app cleans up

@@ -21,6 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair-wait-seconds", type=float, default=0.0,
                    help="how long a request waits for a healthy prefill/decode pair when none is available before "
                         "a 503 (default 0: at once)")
+    p.add_argument("--stop-delay-seconds", type=float, default=0.0,
+                   help="on SIGTERM, keep serving (new connections too) this long with /readyz answering 503 before "
+                        "the drain, so a load balancer whose endpoints lag the SIGTERM (a Kubernetes Service) stops "
+                        "sending first (default 0; the operator's router pods use 5)")
+    p.add_argument("--drain-seconds", type=float, default=60.0,
+                   help="then stop listening (new connections are refused) and give the requests in flight, streams "
+                        "included, this long to finish; whatever is left is cut, and the router exits")
     p.add_argument("--transfer-id", action="store_true", help="also send transfer_id (newer vLLM push protocol)")
     p.add_argument("--access-log", metavar="PATH",
                    help="append one JSON line per request with its exact timings (connector/router/access_log.py); "
