@@ -250,7 +250,7 @@ def test_apiserver_accepts_valid_specs(cluster, crd_installed, dry_run_namespace
     api.DisaggregatedInferenceSpec.model_validate(created.spec)  # the models agree with the apiserver
 
 
-def test_kubectl_explain_documents_kv_transfer_and_the_cpu_kv_cache(cluster, crd_installed):
+def test_kubectl_explain_documents_kv_transfer_the_cpu_kv_cache_and_restarts(cluster, crd_installed):
     # The apiserver publishes a new CRD's OpenAPI asynchronously after Established; nothing to watch, so poll.
     deadline = time.monotonic() + 30
     while (out := kubectl(cluster, "explain", "dinf.spec.kvTransfer", check=False)).returncode != 0:
@@ -266,6 +266,10 @@ def test_kubectl_explain_documents_kv_transfer_and_the_cpu_kv_cache(cluster, crd
     text = " ".join(kubectl(cluster, "explain", "dinf.spec.accelerator.kvCacheGiB").stdout.split())
     field = crdgen.openapi_schema()["properties"]["spec"]["properties"]["accelerator"]["properties"]["kvCacheGiB"]
     assert field["description"] in text and "VLLM_CPU_KVCACHE_SPACE" in text
+    # How a user restarts the engines onto an upgraded operator's plugin.
+    text = " ".join(kubectl(cluster, "explain", "dinf.spec.engine.restartedAt").stdout.split())
+    field = crdgen.openapi_schema()["properties"]["spec"]["properties"]["engine"]["properties"]["restartedAt"]
+    assert field["description"] in text and "kubectl rollout restart" in text
 
 
 def test_status_subresource_and_printer_columns(cluster, crd_installed, namespace):
