@@ -118,11 +118,21 @@ def rendezvous_service(cr: DisaggregatedInference) -> dict[str, Any]:
     return _service(cr, names.RENDEZVOUS, names.rendezvous_name(cr_name(cr)), "ClusterIP", names.RENDEZVOUS_PORT)
 
 
+ROUTER_STOP_DELAY_SECONDS = 5
+"""A stopping router serves this long before it stops listening: kube-proxy learns that the pod is terminating
+after the kubelet has sent the SIGTERM, so new connections keep coming for a moment."""
+ROUTER_DRAIN_SECONDS = 60
+"""Then the requests in flight on it, streams included, have this long to finish."""
+ROUTER_EXIT_SECONDS = 10
+"""And the process this long to exit (aiohttp rounds its waits up to whole seconds) before the kubelet's SIGKILL."""
+
+
 def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dict[str, Any]:
     name, spec = cr_name(cr), cr.spec
     command = ["disagg", "router", "--mode", spec.kv_transfer.mode,
                "--rendezvous", names.rendezvous_url(name, namespace_of(cr)),
-               "--port", str(names.ROUTER_CONTAINER_PORT), "--pair-wait-seconds", str(spec.router.pair_wait_seconds)]
+               "--port", str(names.ROUTER_CONTAINER_PORT), "--pair-wait-seconds", str(spec.router.pair_wait_seconds),
+               "--stop-delay-seconds", str(ROUTER_STOP_DELAY_SECONDS), "--drain-seconds", str(ROUTER_DRAIN_SECONDS)]
     if spec.router.access_log:
         command += ["--access-log", "-"]
     # Ready once it has read the rendezvous, whether or not a pair is up: a router that is not Ready takes the
@@ -132,6 +142,8 @@ def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dic
     return _deployment(cr, names.ROUTER, names.router_name(name), spec.router.replicas, command,
                        names.ROUTER_CONTAINER_PORT, images.operator,
                        {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                       pod_spec={"terminationGracePeriodSeconds":
+                                 ROUTER_STOP_DELAY_SECONDS + ROUTER_DRAIN_SECONDS + ROUTER_EXIT_SECONDS},
                        readiness_path="/readyz", liveness_path="/livez")
 
 

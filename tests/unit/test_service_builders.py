@@ -22,7 +22,10 @@ def test_router_and_rendezvous():
     assert c["image"] == "img:1"
     assert c["command"] == ["disagg", "router", "--mode", "push", "--rendezvous",
                             "http://qwen-rendezvous.ml.svc:8080", "--port", "8000", "--pair-wait-seconds", "30",
-                            "--access-log", "-"]
+                            "--stop-delay-seconds", "5", "--drain-seconds", "60", "--access-log", "-"]
+    # SIGTERM: 5 s more of serving while the Service's endpoints catch up, 60 s for the requests in flight, and the
+    # kubelet's SIGKILL only after both.
+    assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75
     # Ready once it knows the engines, pair or not: an unready router would take the Service's endpoint away.
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
     # Liveness never depends on the engines: a router restarted while they start would not help them.
