@@ -193,10 +193,12 @@ def deploy_index(namespace: str | None, labels: kopf.Labels, body: kopf.Body,
 @kopf.index("", "v1", "pods", labels=MANAGED)
 def pod_problem_index(namespace: str | None, labels: kopf.Labels, body: kopf.Body,
                       **_: Any) -> dict[Key, tuple[PodProblem, ...]] | None:
+    """A pod's problems while it has some. A pod without (any more) is `{}`: kopf keeps what an indexer returned
+    for an object before when it returns None, so a pod that recovered would stay failed."""
     if namespace is None:
         return None
     problems = pod_problems(dict(body))
-    return {(namespace, labels.get(INSTANCE, "")): tuple(problems)} if problems else None
+    return {(namespace, labels.get(INSTANCE, "")): tuple(problems)} if problems else {}
 
 
 def _event_time(body: Mapping[str, Any]) -> float:
