@@ -10,6 +10,9 @@ Triggers:
 - the StatefulSet controller failed to create an engine pod (a FailedCreate Event on an engine StatefulSet) →
   status pass. StatefulSet status has no condition for that, so the operator watches the Events involving
   StatefulSets (a server-side field selector, set in run.py) and keeps the pod-creation ones in an index;
+- the kubelet cannot mount an engine pod's volume (a FailedMount Event on the pod) → status pass. The pod's
+  status does not show it; the operator watches the Events with reason FailedMount (server-side) and keeps its
+  engine pods' in an index;
 - a periodic resync → thorough full pass (drift correction; writes nothing when nothing drifted), once the
   passes waiting for a slot have gone (resync_forever);
 - the engines' reported transport changed in the deployment's rendezvous → status pass. A poll loop reads
@@ -47,15 +50,18 @@ from .reconciler import ApplyFailed, Key, Reconciler
 from .slots import Slots
 from .status import (
     FAILED_CREATE,
+    FAILED_MOUNT,
     SUCCESSFUL_CREATE,
     CreateFailure,
     Observed,
     PodCreateEvent,
+    PodEvent,
     PodProblem,
     RolloutView,
     TransportReport,
     WorkloadState,
     create_failure,
+    mount_failure,
     pod_problems,
     ready_may_flip,
     transport_behind,
@@ -112,6 +118,7 @@ PodIndex = kopf.Index[Key, dict[str, Any]]  # (namespace, CR name): its engine p
 WorkloadIndex = kopf.Index[WorkloadKey, WorkloadState]
 PodProblemIndex = kopf.Index[Key, tuple[PodProblem, ...]]  # (namespace, CR name): one tuple per pod with problems
 StsEventIndex = kopf.Index[Key, PodCreateEvent]  # (namespace, StatefulSet name)
+PodEventIndex = kopf.Index[Key, PodEvent]  # (namespace, engine pod name)
 
 
 class Indexes(TypedDict):
@@ -123,6 +130,7 @@ class Indexes(TypedDict):
     deploy_index: WorkloadIndex
     pod_problem_index: PodProblemIndex
     sts_event_index: StsEventIndex
+    pod_event_index: PodEventIndex
 
 
 @kopf.index(*CR)
@@ -202,9 +210,10 @@ def pod_problem_index(namespace: str | None, labels: kopf.Labels, body: kopf.Bod
 
 
 def _event_time(body: Mapping[str, Any]) -> float:
-    """When an Event last happened: its series' last observation, else lastTimestamp, else eventTime, else its
-    creation."""
-    stamp = ((body.get("series") or {}).get("lastObservedTime") or body.get("lastTimestamp") or body.get("eventTime")
+    """When an Event last happened: its series' last observation, else lastTimestamp (events.k8s.io:
+    deprecatedLastTimestamp), else eventTime, else its creation."""
+    stamp = ((body.get("series") or {}).get("lastObservedTime") or body.get("lastTimestamp")
+             or body.get("deprecatedLastTimestamp") or body.get("eventTime")
              or (body.get("metadata") or {}).get("creationTimestamp"))
     return timestamp(stamp) or 0.0
 
@@ -217,6 +226,22 @@ def sts_event_index(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Ke
     involved = body.get("involvedObject") or {}
     return {(namespace, involved.get("name", "")): PodCreateEvent(
         str(involved.get("uid") or ""), str(body.get("reason")), str(body.get("message") or ""), _event_time(body))}
+
+
+# The kubelet's FailedMount Events, read through the events.k8s.io API: the same Event objects as core/v1's, which
+# the operator already watches with the field selector involvedObject.kind=StatefulSet. kopf watches a resource
+# once, with one selector, and a field selector cannot say "StatefulSet, or a Pod's FailedMount"; another API
+# group is another watch with its own server-side selector, reason=FailedMount (only pods have volumes to mount).
+# So the operator receives no other pod Event of the cluster, and of FailedMounts keeps its engine pods'.
+@kopf.index("events.k8s.io", "v1", "events", field="reason", value=FAILED_MOUNT)
+def pod_event_index(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Key, PodEvent] | None:
+    """FailedMount Events of engine pods, by (namespace, pod name)."""
+    regarding = body.get("regarding") or {}
+    pod = str(regarding.get("name") or "")
+    if namespace is None or regarding.get("kind") != "Pod" or names.engine_pod_owner(pod) is None:
+        return None
+    return {(namespace, pod): PodEvent(str(regarding.get("uid") or ""), str(body.get("reason")),
+                                       str(body.get("note") or ""), _event_time(body))}
 
 
 def _one(index: WorkloadIndex, key: WorkloadKey) -> WorkloadState:
@@ -234,9 +259,17 @@ def _current(statefulsets: list[dict[str, Any]], revision: str | None, role: str
 
 def observe(namespace: str, name: str, revision: str, statefulsets: list[dict[str, Any]], deploys: WorkloadIndex,
             pods: PodProblemIndex, transport: TransportReport | None = None, sts_events: StsEventIndex | None = None,
-            apply_error: str | None = None, rollout: RolloutView | None = None) -> Observed:
-    """Status' view of a CR's children; `prefill` and `decode` are those of `revision`, the current one."""
+            apply_error: str | None = None, rollout: RolloutView | None = None,
+            engine_pods: list[dict[str, Any]] | None = None, pod_events: PodEventIndex | None = None) -> Observed:
+    """Status' view of a CR's children; `prefill` and `decode` are those of `revision`, the current one. A pod's
+    problems are what its status shows (`pods`) and, for engine pods, a volume the kubelet cannot mount (its
+    FailedMount Events)."""
     problems = tuple(p for group in (pods.get((namespace, name)) or ()) for p in group)
+    if pod_events is not None:
+        for pod in engine_pods or ():
+            seen = pod_events.get((namespace, str((pod.get("metadata") or {}).get("name") or "")))
+            if seen and (mount := mount_failure(pod, tuple(seen))) is not None:
+                problems += (mount,)
     current = {role: _current(statefulsets, revision, role) for role in names.ENGINE_ROLES}
     roles = {role: workload_state(sts) for role, sts in current.items()}
     failures: list[CreateFailure] = []
@@ -254,7 +287,7 @@ def observe(namespace: str, name: str, revision: str, statefulsets: list[dict[st
 # -- the passes -----------------------------------------------------------------------------------------
 async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, trigger: str,
                    dinf_index: DinfIndex, sts_index: StsIndex, engine_pod_index: PodIndex, deploy_index: WorkloadIndex,
-                   pod_problem_index: PodProblemIndex, sts_event_index: StsEventIndex,
+                   pod_problem_index: PodProblemIndex, sts_event_index: StsEventIndex, pod_event_index: PodEventIndex,
                    logger: kopf.Logger) -> None:
     reconciler: Reconciler = memo.reconciler
     transports: TransportPoller = memo.transports
@@ -308,14 +341,15 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
             report = transports.report(key)
         # Every pass, status passes too: engines becoming Ready or leaving are what move a rollout on.
         statefulsets = list(sts_index.get(key) or ())
+        engine_pods = list(engine_pod_index.get(key) or ())
         rollout: RolloutView | None = None
         if failed is None:
             def post(kind: str, reason: str, message: str) -> None:
                 post_event(memo, kopf.warn if kind == "Warning" else kopf.info, body, reason, message)
 
             try:
-                rollout = await reconciler.advance_rollout(cr, statefulsets, list(engine_pod_index.get(key) or ()),
-                                                           report, post, thorough=thorough,
+                rollout = await reconciler.advance_rollout(cr, statefulsets, engine_pods, report, post,
+                                                           thorough=thorough,
                                                            still_there=still_there)
             except ApplyFailed as e:
                 if e.code == 403 and "being terminated" in str(e):
@@ -328,7 +362,8 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         # (rendering both templates costs: the rollout's revision when it has one)
         revision = rollout.revision if rollout else reconciler.revision(cr, statefulsets).revision
         observed = observe(namespace, name, revision, statefulsets, deploy_index, pod_problem_index, report,
-                           sts_event_index, reconciler.apply_error(key) or (str(failed) if failed else None), rollout)
+                           sts_event_index, reconciler.apply_error(key) or (str(failed) if failed else None), rollout,
+                           engine_pods, pod_event_index)
         # Read the rendezvous again now, not at the next poll, when it lags the pods: its answer, if it changed,
         # triggers a status pass (transport_changed), which is also what moves a rollout waiting for engines.
         behind = transport_behind(observed.prefill.ready + observed.decode.ready, report)
@@ -461,7 +496,8 @@ def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> Indexes:
     # hands each object a shallow copy of the memo, so the reference goes into a dict they all share.
     indexes = Indexes(dinf_index=kw["dinf_index"], sts_index=kw["sts_index"], engine_pod_index=kw["engine_pod_index"],
                       deploy_index=kw["deploy_index"],
-                      pod_problem_index=kw["pod_problem_index"], sts_event_index=kw["sts_event_index"])
+                      pod_problem_index=kw["pod_problem_index"], sts_event_index=kw["sts_event_index"],
+                      pod_event_index=kw["pod_event_index"])
     memo.shared["indexes"] = indexes
     memo.shared["context"] = contextvars.copy_context()  # for post_event outside handlers
     return indexes
@@ -604,6 +640,18 @@ async def statefulset_event(type: str | None, body: kopf.Body, namespace: str | 
     owner = names.engine_owner((body.get("involvedObject") or {}).get("name", ""))
     if owner is not None and (namespace, owner[0]) in kw["dinf_index"]:
         await run_pass(memo, namespace, owner[0], full=False, trigger="statefulset-event", logger=logger,
+                       **_indexes(memo, kw))
+
+
+@kopf.on.event("events.k8s.io", "v1", "events", field="reason", value=FAILED_MOUNT, id="pod-mount-events")
+async def pod_mount_event(type: str | None, body: kopf.Body, namespace: str | None, memo: kopf.Memo,
+                          logger: kopf.Logger, **kw: Any) -> None:
+    """A volume an engine pod cannot mount changes Degraded; nothing in the pod's own status changes meanwhile."""
+    if namespace is None or type == "DELETED":
+        return
+    owner = names.engine_pod_owner(str((body.get("regarding") or {}).get("name") or ""))
+    if owner is not None and (namespace, owner[0]) in kw["dinf_index"]:
+        await run_pass(memo, namespace, owner[0], full=False, trigger="pod-mount-event", logger=logger,
                        **_indexes(memo, kw))
 
 

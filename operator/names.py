@@ -70,6 +70,12 @@ def engine_owner(statefulset: str) -> tuple[str, str] | None:
     return None
 
 
+def engine_pod_owner(pod: str) -> tuple[str, str] | None:
+    """(CR name, role) of an engine pod name (`<statefulset>-<ordinal>`), or None when no CR would name a pod so."""
+    head, _, ordinal = pod.rpartition("-")
+    return engine_owner(head) if head and ordinal.isdigit() else None
+
+
 def router_name(cr: str) -> str:
     return f"{cr}-{ROUTER}"
 

@@ -6,13 +6,16 @@ Invariants:
 - `Progressing` is True (RollingOut) while the rollout moves, any role or the router is not settled; False with
   reason Blocked when the rollout cannot move (its message says why), False with reason Complete otherwise.
 - `Degraded` is True, with the first of these that holds as its reason and the others named after its message:
-  an engine's preflight check failed (its one-line termination message is copied here) or an engine container is
-  crash-looping (it names the pod; prefill pods before decode pods, then by name, whatever order they were
-  observed in); a child the apiserver refused (`ApplyFailed`, the apiserver's message); an
+  a pod that cannot start or keeps failing (it names the pod; prefill pods before decode pods, then the
+  router's and rendezvous', then by name, whatever order they were observed in): a container that failed, a
+  preflight check among them (`EngineFailed`, its one-line termination message copied here), one waiting in a
+  crash loop or for an image it cannot pull (`CrashLoopBackOff`, `ImagePullBackOff`, `ErrImagePull`, ...: the
+  kubelet's reason and message), a volume the kubelet cannot mount (`FailedMount`, the kubelet's Event);
+  a child the apiserver refused (`ApplyFailed`, the apiserver's message); an
   engine StatefulSet whose pods cannot be created (`FailedCreate`, the controller's message); engine pods the
   scheduler cannot place (`Unschedulable`, their count and the scheduler's message); `TransportVerified` False:
-  the deployment serves, but KV does not move over the transport asked for. Only engine failures change `Ready`
-  (Degraded means "not as requested"; missing pods keep `Ready` False by their counts anyway).
+  the deployment serves, but KV does not move over the transport asked for. Only engine pods' failures change
+  `Ready` (Degraded means "not as requested"; missing pods keep `Ready` False by their counts anyway).
 - `TransportVerified` compares the NIXL backend every advertised engine of the deployment reports (from its
   rendezvous) with the one requested (`spec.backend`): True when all match, False naming the engines that
   differ, Unknown while nothing is known (no engines yet, transport not reported yet, rendezvous unreachable,
@@ -52,12 +55,19 @@ class WorkloadState:
 @dataclass(frozen=True)
 class PodProblem:
     pod: str
-    role: str
-    reason: str  # EngineFailed, a container's waiting reason (CrashLoopBackOff, ...), or Unschedulable
+    role: str  # prefill or decode; for the router's and rendezvous' pods their component
+    reason: str  # EngineFailed, a container's waiting reason (CrashLoopBackOff, ...), FailedMount or Unschedulable
     message: str
 
 
 UNSCHEDULABLE = "Unschedulable"
+ENGINE_FAILED = "EngineFailed"
+FAILED_MOUNT = "FailedMount"
+STUCK_WAITING = frozenset({"CrashLoopBackOff", "CreateContainerConfigError", "CreateContainerError",
+                           "ImagePullBackOff", "ErrImagePull", "InvalidImageName"})
+"""Waiting reasons of a container that will not start by itself: a crash loop, an image it cannot pull, a
+container the runtime cannot create. (ContainerCreating and PodInitializing are a start under way.)"""
+ENGINE_ROLES = ("prefill", "decode")
 FAILED_CREATE = "FailedCreate"
 SUCCESSFUL_CREATE = "SuccessfulCreate"
 APPLY_FAILED = "ApplyFailed"
@@ -168,28 +178,83 @@ def create_failure(state: WorkloadState, events: list[PodCreateEvent] | tuple[Po
     return failed.message
 
 
+def _role(pod: dict[str, Any]) -> str:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return str(labels.get("serving.disagg.io/role") or labels.get("app.kubernetes.io/component") or "?")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.strip().splitlines()[0].split()) if text.strip() else ""
+
+
 def pod_problems(pod: dict[str, Any]) -> list[PodProblem]:
-    """A preflight failure shows up as a terminated container with a termination message; a pod the scheduler
-    cannot place as its condition PodScheduled False, reason Unschedulable, with the scheduler's message."""
+    """What keeps a pod from serving, from its status alone (a FailedMount is an Event: `mount_failure`):
+    - a container (an init container, such as the plugin's, too) that failed: its non-zero termination, now or the
+      last one, with its termination message (a preflight's one-line reason), unless it runs and is ready again
+      (a crash long ago is history) or, an init container, completed since;
+    - a container waiting for good: a crash loop, an image it cannot pull, one the runtime cannot create
+      (STUCK_WAITING), with the kubelet's message;
+    - a pod the scheduler cannot place: its condition PodScheduled False, reason Unschedulable, with the
+      scheduler's message.
+    Init containers first, then the pod's containers; a container not named `engine` is named in the message."""
     name = pod.get("metadata", {}).get("name", "?")
-    role = pod.get("metadata", {}).get("labels", {}).get("serving.disagg.io/role", "?")
+    role = _role(pod)
+    status = pod.get("status", {}) or {}
     out = []
-    for c in (pod.get("status", {}) or {}).get("conditions", []) or []:
+    for c in status.get("conditions", []) or []:
         if c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == UNSCHEDULABLE:
             out.append(PodProblem(name, role, UNSCHEDULABLE, " ".join((c.get("message") or UNSCHEDULABLE).split())))
-    for cs in (pod.get("status", {}) or {}).get("containerStatuses", []) or []:
-        states = (cs.get("state", {}) or {}, cs.get("lastState", {}) or {})
-        # The termination message (the preflight's one-line reason) beats the generic waiting reason that a
-        # crash-looping container shows meanwhile.
-        term = next((st["terminated"] for st in states if st.get("terminated")
-                     and st["terminated"].get("exitCode", 0) != 0), None)
-        waiting = (states[0].get("waiting") or {}).get("reason")
-        if term:
-            msg = (term.get("message") or term.get("reason") or f"exit code {term.get('exitCode')}").strip()
-            out.append(PodProblem(name, role, "EngineFailed", msg.splitlines()[0] if msg else "failed"))
-        elif waiting in ("CrashLoopBackOff", "CreateContainerConfigError", "ImagePullBackOff", "ErrImagePull"):
-            out.append(PodProblem(name, role, waiting, states[0]["waiting"].get("message") or waiting))
+    for kind, key in (("init container", "initContainerStatuses"), ("container", "containerStatuses")):
+        for cs in status.get(key, []) or []:
+            state, last = cs.get("state", {}) or {}, cs.get("lastState", {}) or {}
+            done = state.get("terminated") or {}
+            if ("running" in state and cs.get("ready")) or (done and done.get("exitCode", 0) == 0):
+                continue
+            # The termination message (the preflight's one-line reason) beats the generic waiting reason that a
+            # crash-looping container shows meanwhile.
+            term = next((st["terminated"] for st in (state, last) if st.get("terminated")
+                         and st["terminated"].get("exitCode", 0) != 0), None)
+            waiting = (state.get("waiting") or {}).get("reason")
+            where = "" if cs.get("name") in ("engine", None) else f"{kind} {cs['name']}: "
+            if term:
+                msg = _one_line(term.get("message") or term.get("reason") or f"exit code {term.get('exitCode')}")
+                out.append(PodProblem(name, role, ENGINE_FAILED, where + (msg or "failed")))
+            elif waiting in STUCK_WAITING:
+                msg = _one_line(state["waiting"].get("message") or "") or waiting
+                out.append(PodProblem(name, role, waiting, where + msg))
     return out
+
+
+@dataclass(frozen=True)
+class PodEvent:
+    """An Event the kubelet recorded on a pod for what its status does not show: a volume it cannot mount
+    (`FailedMount`, e.g. `MountVolume.SetUp failed for volume "models" : ...`)."""
+
+    pod_uid: str
+    reason: str
+    message: str
+    at: float  # when it last happened (seconds since the epoch)
+
+
+def _started(pod: dict[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return any(st.get("running") or st.get("terminated")
+               for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+               for st in (cs.get("state") or {}, cs.get("lastState") or {}))
+
+
+def mount_failure(pod: dict[str, Any], events: list[PodEvent] | tuple[PodEvent, ...]) -> PodProblem | None:
+    """The pod's FailedMount while it holds, else None: the latest FailedMount Event of this pod (by UID: not
+    an earlier pod of the same name) while no container of the pod has started, now or before (the kubelet
+    mounts every volume before it starts the first init container) and the pod is not being deleted."""
+    meta = pod.get("metadata") or {}
+    if meta.get("deletionTimestamp") or _started(pod):
+        return None
+    own = [e for e in events if e.reason == FAILED_MOUNT and e.pod_uid == meta.get("uid")]
+    latest = max(own, key=lambda e: e.at, default=None)
+    if latest is None:
+        return None
+    return PodProblem(str(meta.get("name", "?")), _role(pod), FAILED_MOUNT, _one_line(latest.message) or FAILED_MOUNT)
 
 
 def _cond(ctype: str, ok: bool | str, reason: str, message: str, generation: int,
@@ -359,11 +424,14 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
         progressing = _cond("Progressing", bool(moving), ROLLING_OUT if moving else COMPLETE,
                             "; ".join(moving) if moving else "all replicas updated and ready", generation,
                             prev_conds, now)
-    ready_ok = not pending and not failures
-    ready = _cond("Ready", ready_ok, "AllReplicasReady" if ready_ok else ("EngineFailed" if failures
+    # A router or rendezvous pod that fails (an upgrade to an image it cannot pull) is Degraded, not an engine
+    # failure: Ready follows the router's counts, and the old router pod serves meanwhile.
+    engine_failed = any(p.role in ENGINE_ROLES for p in failures)
+    ready_ok = not pending and not engine_failed
+    ready = _cond("Ready", ready_ok, "AllReplicasReady" if ready_ok else (ENGINE_FAILED if engine_failed
                                                                          else "ReplicasNotReady"),
                   f"serving {spec.served_name} at {endpoint}" if ready_ok else
-                  (findings[0][1] if failures else "; ".join(pending)), generation, prev_conds, now)
+                  (findings[0][1] if engine_failed else "; ".join(pending)), generation, prev_conds, now)
 
     def role_status(role: str) -> RoleStatus:
         want, st = roles[role]

@@ -13,12 +13,14 @@ from disagg.operator.status import (
     EngineTransport,
     Observed,
     PodCreateEvent,
+    PodEvent,
     PodProblem,
     TransportReport,
     WorkloadState,
     compute_status,
     condition,
     create_failure,
+    mount_failure,
     pod_problems,
     ready_may_flip,
     transport_event,
@@ -476,3 +478,123 @@ def test_the_rollout_sets_progressing_and_an_older_revision_keeps_ready_false():
                                                 "advertised", "bbbbbb", (new,)))
     st = compute_status(SPEC, 1, waiting, "e", st, "t4")
     assert conds(st)["Ready"]["status"] == "True" and conds(st)["Progressing"]["status"] == "True"
+
+
+# ---- Degraded: pods that cannot start or keep failing -----------------------------------------------------
+PULL = 'Back-off pulling image "registry.example/disagg:0.2.0"'
+
+
+def engine_pod(name: str, role: str, *, init: list[dict] | None = None, containers: list[dict] | None = None,
+               uid: str = "u1", **meta) -> dict:
+    status: dict = {"phase": "Pending"}
+    if init is not None:
+        status["initContainerStatuses"] = init
+    if containers is not None:
+        status["containerStatuses"] = containers
+    return {"metadata": {"name": name, "uid": uid, "labels": {"serving.disagg.io/role": role,
+                                                              "app.kubernetes.io/component": role}, **meta},
+            "status": status}
+
+
+def waiting(name: str, reason: str, message: str = "") -> dict:
+    return {"name": name, "ready": False, "state": {"waiting": {"reason": reason, "message": message}}}
+
+
+def test_an_image_the_kubelet_cannot_pull_names_the_pod_container_and_reason():
+    plugin = engine_pod("m-prefill-0", "prefill", init=[waiting("install-plugin", "ImagePullBackOff", PULL)],
+                        containers=[waiting("engine", "PodInitializing")])
+    assert pod_problems(plugin) == [PodProblem("m-prefill-0", "prefill", "ImagePullBackOff",
+                                               f"init container install-plugin: {PULL}")]
+    engine = engine_pod("m-decode-0", "decode",
+                        containers=[waiting("engine", "ErrImagePull", "rpc error:\n  not found")])
+    assert pod_problems(engine) == [PodProblem("m-decode-0", "decode", "ErrImagePull", "rpc error:")]
+    starting = engine_pod("m-decode-0", "decode", containers=[waiting("engine", "ContainerCreating")])
+    assert pod_problems(starting) == [], "a start under way is not a problem"
+    st = conds(compute_status(SPEC, 1, Observed(prefill=SETTLED.prefill, decode=SETTLED.decode, router=SETTLED.router,
+                                                problems=tuple(pod_problems(plugin))), "e", None, "t"))
+    assert (st["Degraded"]["reason"], st["Degraded"]["message"]) == \
+        ("ImagePullBackOff", f"prefill pod m-prefill-0: init container install-plugin: {PULL}")
+    assert (st["Ready"]["status"], st["Ready"]["reason"]) == ("False", "EngineFailed")
+
+
+def test_a_crash_loop_is_reported_until_the_container_runs_ready_again():
+    crashed = {"exitCode": 137, "reason": "OOMKilled"}
+    looping = engine_pod("m-decode-0", "decode", containers=[{**waiting("engine", "CrashLoopBackOff"),
+                                                             "lastState": {"terminated": crashed}}])
+    assert pod_problems(looping) == [PodProblem("m-decode-0", "decode", "EngineFailed", "OOMKilled")]
+    restarting = engine_pod("m-decode-0", "decode", containers=[{"name": "engine", "ready": False, "state": {
+        "running": {}}, "lastState": {"terminated": crashed}}])
+    assert pod_problems(restarting) == pod_problems(looping), "restarted, not ready yet: the crash still tells why"
+    recovered = engine_pod("m-decode-0", "decode", containers=[{"name": "engine", "ready": True, "state": {
+        "running": {}}, "lastState": {"terminated": crashed}}])
+    assert pod_problems(recovered) == [], "a crash the engine recovered from is history"
+    clean_exits = engine_pod("m-decode-0", "decode", containers=[{**waiting("engine", "CrashLoopBackOff", "back-off"),
+                                                                 "lastState": {"terminated": {"exitCode": 0}}}])
+    assert pod_problems(clean_exits) == [PodProblem("m-decode-0", "decode", "CrashLoopBackOff", "back-off")]
+    plugin = engine_pod("m-decode-0", "decode", init=[{**waiting("install-plugin", "CrashLoopBackOff"), "lastState": {
+        "terminated": {"exitCode": 1, "message": "disagg install-plugin: /opt/disagg is not writable"}}}])
+    assert pod_problems(plugin) == [PodProblem("m-decode-0", "decode", "EngineFailed",
+                                               "init container install-plugin: disagg install-plugin: /opt/disagg "
+                                               "is not writable")]
+    plugin["status"]["initContainerStatuses"] = [{"name": "install-plugin", "ready": True, "state": {
+        "terminated": {"exitCode": 0}}, "lastState": {"terminated": {"exitCode": 1}}}]
+    assert pod_problems(plugin) == [], "an init container that completed since"
+
+
+def test_a_router_pod_that_fails_is_degraded_but_not_an_engine_failure():
+    router = engine_pod("m-router-7f9c-x2", "router", containers=[waiting("router", "ImagePullBackOff", PULL)])
+    del router["metadata"]["labels"]["serving.disagg.io/role"]
+    [problem] = pod_problems(router)
+    assert problem == PodProblem("m-router-7f9c-x2", "router", "ImagePullBackOff", f"container router: {PULL}")
+    st = conds(compute_status(SPEC, 1, Observed(prefill=SETTLED.prefill, decode=SETTLED.decode, router=SETTLED.router,
+                                                problems=(problem,)), "e", None, "t"))
+    assert (st["Degraded"]["reason"], st["Degraded"]["message"]) == \
+        ("ImagePullBackOff", f"router pod m-router-7f9c-x2: container router: {PULL}")
+    assert st["Ready"]["status"] == "True", "the router's counts say whether it serves (the old pod does)"
+    engine = PodProblem("m-decode-1", "decode", "EngineFailed", "no EFA")
+    st = conds(compute_status(SPEC, 1, Observed(prefill=SETTLED.prefill, decode=SETTLED.decode, router=SETTLED.router,
+                                                problems=(problem, engine)), "e", None, "t"))
+    assert st["Degraded"]["message"] == "decode pod m-decode-1: no EFA (+1 more)", "engine pods first"
+
+
+MOUNT = 'MountVolume.SetUp failed for volume "models" : persistentvolumeclaim "weights" not found'
+
+
+def test_a_volume_the_kubelet_cannot_mount_holds_until_a_container_starts():
+    pod = engine_pod("m-prefill-0", "prefill", init=[waiting("install-plugin", "PodInitializing")],
+                     containers=[waiting("engine", "PodInitializing")])
+    events = (PodEvent("u1", "FailedMount", "an older one", 10), PodEvent("u1", "FailedMount", MOUNT + "\n", 20),
+              PodEvent("earlier-pod", "FailedMount", "another pod of the same name", 30))
+    assert mount_failure(pod, events) == PodProblem("m-prefill-0", "prefill", "FailedMount", MOUNT)
+    assert mount_failure(pod, events[2:]) is None, "an earlier pod of the same name"
+    assert mount_failure(pod, ()) is None
+    started = engine_pod("m-prefill-0", "prefill", init=[{"name": "install-plugin", "state": {
+        "terminated": {"exitCode": 0}}}], containers=[waiting("engine", "PodInitializing")])
+    assert mount_failure(started, events) is None, "a container started: every volume was mounted"
+    assert mount_failure(engine_pod("m-prefill-0", "prefill", deletionTimestamp="2026-05-04T10:00:00Z"),
+                         events) is None
+    stuck = Observed(prefill=SETTLED.prefill, decode=SETTLED.decode, router=SETTLED.router,
+                     problems=(PodProblem("m-decode-0", "decode", "CrashLoopBackOff", "back-off"),
+                               mount_failure(pod, events)))  # type: ignore[arg-type]
+    st = conds(compute_status(SPEC, 1, stuck, "e", None, "t"))
+    assert (st["Degraded"]["reason"], st["Degraded"]["message"]) == \
+        ("FailedMount", f"prefill pod m-prefill-0: {MOUNT} (+1 more)")
+    assert st["Ready"]["reason"] == "EngineFailed"
+
+
+def test_a_pod_that_recovered_leaves_the_problem_index():
+    """kopf keeps what an indexer returned for an object before when it now returns None; `{}` clears it."""
+    import kopf
+
+    from disagg.operator.handlers import pod_problem_index
+
+    labels = {"app.kubernetes.io/instance": "m", "serving.disagg.io/role": "decode"}
+    failing = engine_pod("m-decode-0", "decode", containers=[waiting("engine", "ImagePullBackOff", PULL)])
+    found = pod_problem_index(namespace="ml", labels=labels, body=kopf.Body(failing))
+    assert found == {("ml", "m"): (PodProblem("m-decode-0", "decode", "ImagePullBackOff", PULL),)}
+    healthy = engine_pod("m-decode-0", "decode", containers=engine_running_ready())
+    assert pod_problem_index(namespace="ml", labels=labels, body=kopf.Body(healthy)) == {}
+
+
+def engine_running_ready() -> list[dict]:
+    return [{"name": "engine", "ready": True, "state": {"running": {}}}]

@@ -21,7 +21,10 @@ def test_the_operators_own_watches_ask_only_for_what_its_handlers_take():
         ("", "v1", "configmaps"): MANAGED,
         ("policy", "v1", "poddisruptionbudgets"): MANAGED,
     }
-    assert selectors.fields == {("", "v1", "events"): "involvedObject.kind=StatefulSet"}
+    # Of the cluster's Events, the StatefulSets' (pod creations) and the FailedMounts (only pods mount volumes),
+    # each through its own API group's watch: one resource takes one selector.
+    assert selectors.fields == {("", "v1", "events"): "involvedObject.kind=StatefulSet",
+                                ("events.k8s.io", "v1", "events"): "reason=FailedMount"}
     cr = (api.GROUP, api.VERSION, api.PLURAL)
     assert cr not in selectors.labels and cr not in selectors.fields, "every CR is ours: its watch is whole"
 

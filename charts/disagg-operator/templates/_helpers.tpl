@@ -145,6 +145,12 @@ delete the operator holds is on its rendezvous ClusterRoleBindings, in clusterRu
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["list", "watch", "create"]
+# The same Events through the events.k8s.io API, which is another watch with its own field selector: the kubelet's
+# FailedMount (reason=FailedMount) on engine pods, a volume it cannot mount (Degraded), which the pod's status does
+# not show.
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["list", "watch"]
 {{- if and (include "disagg-operator.peering" .) .Values.watchNamespaces }}
 # kopf peering per watched namespace: the operator creates its KopfPeering; kopf watches it and patches its
 # own liveness record into it.
