@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kopf peering priority; default: random, so the replica with the highest acts and the "
                         "others stand by")
     p.add_argument("--operator-image", default=os.environ.get("DISAGG_OPERATOR_IMAGE"),
-                   help="image for the router, rendezvous and plugin init container")
+                   help="image for the router, rendezvous and plugin init container (of new engine revisions: a "
+                        "running revision keeps the plugin it was made with)")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("DISAGG_METRICS_PORT", "8080")),
                    help="Prometheus metrics port (0 disables)")
     p.add_argument("--liveness", default="http://0.0.0.0:8081/healthz", help="kopf liveness endpoint URL")
