@@ -27,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 import msgspec
@@ -34,11 +36,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import connector as nixl
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
 
+from ..wire import env as wire_env
 from . import vllm_shim
 from .advertiser import EngineAdvertiser
 from .cpu_amx import request_amx
 from .nixl_progress import delay_from_env, progress_delay
 from .prewarm import PeerPrewarmer
+from .push_cancel import WAKE_SECONDS, Address, CancelOrder, DecodeCancels, Mailbox, PrefillCancels
 from .settings import PluginSettings
 from .vllm_shim import SchedulerShim, WorkerShim
 
@@ -85,6 +89,12 @@ class _DisaggMixin:
         self._worker_shim: WorkerShim | None = None
         self._started: Any = None  # the metadata whose KV work started at bind time (bind_connector_metadata)
         self._scheduler_shim: SchedulerShim | None = None
+        # Push decode, scheduler side: each registered request's prefill, and the cancels for the next step.
+        self._push_prefills: dict[str, Address] = {}
+        self._cancel_orders: list[CancelOrder] = []
+        # Push, worker side (push_cancel).
+        self._decode_cancels: DecodeCancels | None = None
+        self._control_stop = threading.Event()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler_shim = SchedulerShim.attach(vllm_shim.connector_scheduler(self),
                                                         push=self._disagg.kv_mode == "push")
@@ -105,6 +115,8 @@ class _DisaggMixin:
             if said is not None:
                 log.info("disagg plugin: %s", said)
         self._disagg.transport = "+".join(shim.backends()) or None
+        if self._disagg.kv_mode == "push":
+            self._start_push_control(shim)
         if self._disagg.start_loads_at_bind:
             log.info("disagg plugin: a step's KV transfers start before its forward (a CPU forward is synchronous)")
         if self._disagg.kv_mode == "push" and self._disagg.role == "decode" and self._disagg.push_notify_on_step \
@@ -114,6 +126,24 @@ class _DisaggMixin:
         if self._disagg.rendezvous_url is not None and self._prewarmer is None:
             self._prewarmer = PeerPrewarmer(shim, self._disagg)
             self._prewarmer.start()
+
+    def _start_push_control(self, shim: WorkerShim) -> None:
+        """Carry push cancels between this worker and its peers (`push_cancel`)."""
+        if (problem := shim.push_control_problem()) is not None:
+            log.info("disagg plugin: push cancels off in this worker (vLLM's push worker %s); a cancelled request's "
+                     "blocks wait for its registration deadline", problem)
+            return
+        s = self._disagg
+        me = Address(s.engine_id, s.env.get(wire_env.SIDE_CHANNEL_HOST, ""),
+                     int(s.env.get(wire_env.SIDE_CHANNEL_PORT) or 0), s.tp_size, s.pp_size, (0, shim.tp_rank))
+        mailbox = Mailbox(shim.wake_writer)
+        prefill = PrefillCancels(me, mailbox, shim.base_request_id) if s.role == "prefill" else None
+        if s.role == "decode":
+            self._decode_cancels = DecodeCancels(me, mailbox, shim.fail_receive, shim.has_receive)
+        shim.hook_push_control(mailbox, self._decode_cancels, prefill, self._control_stop, WAKE_SECONDS)
+        log.info("disagg plugin: push %s carries cancels: %s", s.role,
+                 "a cancelled request's blocks are freed once its prefill answers" if s.role == "decode" else
+                 "a cancelled registration is dropped, and its prefill's blocks are released at once")
 
     def get_handshake_metadata(self) -> Any:
         payload = super().get_handshake_metadata()  # type: ignore[misc]
@@ -143,17 +173,86 @@ class _DisaggMixin:
             self._prewarmer.release_departed()  # the engine's main thread: where vLLM itself releases peers
         super().start_load_kv(forward_context, **kwargs)  # type: ignore[misc]
         if self._worker_shim is not None:
-            for request_id in vllm_shim.failed_receives(vllm_shim.connector_metadata(self)):
+            meta = vllm_shim.connector_metadata(self)
+            for request_id in vllm_shim.failed_receives(meta):
                 if self._worker_shim.fail_receive(request_id):
                     log.warning("disagg plugin: request %s: no KV from its prefill engine within the registration "
                                 "timeout; failing it", request_id)
+            for order in vllm_shim.cancels(meta):
+                self._cancel(order)
+
+    def _cancel(self, order: CancelOrder) -> None:
+        """A push decode request that will not take its KV (worker main thread)."""
+        assert self._worker_shim is not None
+        if not order.holds_blocks:
+            self._worker_shim.drop_empty_receive(order.request_id)
+        if self._decode_cancels is not None:
+            log.info("disagg plugin: request %s %s; telling prefill engine %s", order.request_id, order.reason,
+                     order.prefill.engine_id)
+            self._decode_cancels.cancel(order)
+        elif order.holds_blocks and self._worker_shim.fail_receive(order.request_id):
+            # No cancels in this worker: free the blocks now, as vLLM would at the timeout (the prefill may
+            # still WRITE them: vllm#55470).
+            log.warning("disagg plugin: request %s %s; failing its receive", order.request_id, order.reason)
 
     # -- scheduler side ------------------------------------------------------------------------------------
+    def _push_decode_scheduler(self) -> SchedulerShim | None:
+        shim = self._scheduler_shim
+        return shim if shim is not None and shim.push and self._disagg.role == "decode" else None
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)  # type: ignore[misc]
+        shim = self._push_decode_scheduler()
+        rid = vllm_shim.request_id(request)
+        if shim is not None and shim.registration_deadline(rid) is not None and rid not in self._push_prefills:
+            if (prefill := _prefill_address(vllm_shim.request_params(request))) is not None:
+                self._push_prefills[rid] = prefill
+
+    def request_finished(self, request: Any, block_ids: Any) -> Any:
+        self._cancel_if_waiting(request)
+        return super().request_finished(request, block_ids)  # type: ignore[misc]
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Any:
+        self._cancel_if_waiting(request)
+        return super().request_finished_all_groups(request, block_ids)  # type: ignore[misc]
+
+    def _cancel_if_waiting(self, request: Any) -> None:
+        """A push decode request finishing before its KV came (its client went away): tell its prefill.
+
+        Registered (its blocks are allocated and the prefill knows them): vLLM's scheduler holds the blocks until
+        the worker reports the receive done, which the prefill's answer now brings. Never allocated: nothing is
+        held here, but the prefill may hold the finished prefill's blocks for it."""
+        shim = self._push_decode_scheduler()
+        if shim is None:
+            return
+        rid = vllm_shim.request_id(request)
+        prefill = self._push_prefills.pop(rid, None)
+        deadline = shim.registration_deadline(rid)
+        if prefill is not None and deadline is not None:
+            self._cancel_orders.append(CancelOrder(rid, prefill, deadline, holds_blocks=True))
+            return
+        params = vllm_shim.request_params(request)
+        if params is not None and params.get("do_remote_prefill") and \
+                (prefill := _prefill_address(params)) is not None:
+            timeout = shim.registration_timeout() or 0.0
+            self._cancel_orders.append(CancelOrder(rid, prefill, time.time() + timeout, holds_blocks=False))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)  # type: ignore[misc]
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            self._push_prefills.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep stepping until the cancels reach the workers (an idle engine builds no metadata).
+        return bool(self._cancel_orders) or bool(super().has_pending_push_work())  # type: ignore[misc]
+
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        """vLLM's metadata for this step, plus the decode requests whose push registration vLLM's watchdog just
-        dropped (`push_registration_timeout` passed without their KV). vLLM only drops the registration and the
-        request would wait on; the workers fail its receive instead, so the scheduler finishes it with an error
-        (vLLM's default `kv_load_failure_policy: fail`) and the client gets an answer."""
+        """vLLM's metadata for this step, plus the push decode requests to cancel: those whose client went away
+        (`_cancel_if_waiting`) and those whose registration vLLM's watchdog just dropped
+        (`push_registration_timeout` passed without their KV). vLLM only drops the registration, and the request
+        would wait on; the workers cancel it with its prefill instead and then fail its receive, so the scheduler
+        finishes it with an error (vLLM's default `kv_load_failure_policy: fail`) and the client gets an answer.
+        Outgoing registrations get their wall-clock deadline, past which their prefill must not WRITE them."""
         shim = self._scheduler_shim
         if shim is None or not shim.push:
             return super().build_connector_meta(scheduler_output)  # type: ignore[misc]
@@ -163,7 +262,19 @@ class _DisaggMixin:
         if expired := watched - shim.watched_registrations():
             log.warning("disagg plugin: push registration of request(s) %s timed out after %.1f s; failing them",
                         sorted(expired), shim.registration_timeout())
-            vllm_shim.mark_failed_receives(meta, expired)
+            unknown = set()
+            for rid in sorted(expired):
+                if (prefill := self._push_prefills.pop(rid, None)) is None:
+                    unknown.add(rid)
+                else:
+                    self._cancel_orders.append(CancelOrder(rid, prefill, time.time(), holds_blocks=True,
+                                                           reason="timed out"))
+            if unknown:
+                vllm_shim.mark_failed_receives(meta, unknown)
+        shim.stamp_deadlines(meta)
+        if self._cancel_orders:
+            vllm_shim.carry_cancels(meta, self._cancel_orders)
+            self._cancel_orders = []
         return meta
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
@@ -191,6 +302,7 @@ class _DisaggMixin:
 
     # -- both ----------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        self._control_stop.set()
         for part in (self._advertiser, self._prewarmer):
             if part is not None:
                 try:
@@ -199,6 +311,16 @@ class _DisaggMixin:
                     log.exception("disagg plugin: stopping %s failed", type(part).__name__)
         self._advertiser = self._prewarmer = None
         super().shutdown()  # type: ignore[misc]
+
+
+def _prefill_address(params: dict[str, Any] | None) -> Address | None:
+    """The prefill engine a push decode request registers with, from its kv_transfer_params (the router's)."""
+    try:
+        assert params is not None
+        return Address(str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]),
+                       int(params["tp_size"]), int(params.get("pp_size") or 1))
+    except (AssertionError, KeyError, TypeError, ValueError):
+        return None
 
 
 class _KeepCpuAffinity:

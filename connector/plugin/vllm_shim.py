@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from .push_cancel import CancelOrder, DecodeCancels, Mailbox, PrefillCancels
     from .push_notify import WriterDrain
 
 log = logging.getLogger("disagg.plugin")
@@ -38,6 +39,9 @@ WRITER_DRAIN_TIMEOUT = 0.005
 """How long a push decode's main thread waits at a step's end for its writer to read NIXL (`push_notify`): a
 writer iteration takes well under a millisecond; the bound caps what a stalled writer costs a step."""
 
+RELEASE_WAIT = 5.0
+"""Seconds a prefill keeps trying to release a finished request's blocks whose lease its worker has not recorded
+yet (it arrives with the same engine step's metadata, so in practice within one step)."""
 Agents = dict[tuple[int, int], str]
 """NIXL agent names by remote (pp rank, tp rank), as vLLM's handshake returns them."""
 
@@ -116,6 +120,25 @@ class NixlPushWorker(Protocol):
     _push_writer_wake: threading.Event
 
     def get_transfer_results(self) -> Any: ...
+
+
+class NixlPushControlWorker(NixlPushWorker, Protocol):
+    """What `WorkerShim.hook_push_control` uses of vLLM 0.32's push worker, beyond `NixlPushWorker`."""
+
+    tp_rank: int
+    _pending_d_registrations: dict[str, dict[str, Any]]
+    _push_finished_blocks: dict[str, Any]
+    _sending_transfers: dict[str, list[int]]
+    _sending_transfers_lock: threading.Lock
+    _send_failures: set[str]
+    _reqs_to_send: dict[str, float]
+    _reqs_to_process: set[str]
+    _evict_finished_inbox: queue.Queue[str]
+
+    def _pop_matching_registration(self, request_id: str) -> dict[str, Any] | None: ...
+    def _pop_matching_finished_blocks(self, request_id: str) -> tuple[str, Any] | None: ...
+    def _do_start_push_kv(self, request_id: str, local_block_ids: Any, registration_data: dict[str, Any]) -> None: ...
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]: ...
 
 
 class NixlScheduler(Protocol):
@@ -444,6 +467,207 @@ class WorkerShim:
         w.get_transfer_results = get_transfer_results
         return notes
 
+    # -- push control messages (push_cancel) -------------------------------------------------------------------
+    def push_control_problem(self) -> str | None:
+        """Why this worker cannot carry push control messages, or None when it can."""
+        missing = missing_attributes(self._w, NixlPushControlWorker)
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id  # noqa: F401
+        except ImportError:
+            missing.append("nixl.utils.get_base_request_id")
+        if not hasattr(getattr(self._w, "nixl_wrapper", None), "get_new_notifs"):
+            missing.append("nixl_wrapper.get_new_notifs")
+        return f"lacks {', '.join(missing)}" if missing else None
+
+    @staticmethod
+    def base_request_id(request_id: str) -> str:
+        """vLLM's request id without its random suffix: a request's prefill and decode ids share it."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
+
+        return get_base_request_id(request_id)
+
+    @property
+    def tp_rank(self) -> int:
+        return int(self._w.tp_rank)  # type: ignore[attr-defined]
+
+    def hook_push_control(self, mailbox: Mailbox, decode: DecodeCancels | None, prefill: PrefillCancels | None,
+                          stop: threading.Event, wake_seconds: float) -> None:
+        """Carry push control messages (`push_cancel`) on this push worker. Call before `notify_on_step`, whose
+        read of NIXL then goes through this one.
+
+        - the writer's read of NIXL's notifications (writer thread) takes control messages out before vLLM sees
+          them, hands them to `decode` or `prefill`, then sends what `mailbox` holds and frees what is overdue;
+        - prefill: a WRITE the decode cancelled never starts (`_do_start_push_kv`), a prefill that finishes
+          after its decode cancelled gives its blocks back at once (`_pop_matching_registration`), finished
+          WRITEs are reported (`_pop_done_transfers`), and the blocks `prefill` releases are reported done
+          sending at the step's end (`get_transfer_results`);
+        - a thread wakes the writer every `wake_seconds` until `stop` is set: vLLM wakes it only when its engine
+          steps, and an idle prefill must still read its decodes' cancels."""
+        from .push_cancel import decode as decode_control
+        from .push_cancel import is_control
+
+        w: Any = self._w
+        read = w.nixl_wrapper.get_new_notifs
+
+        def handle(message: bytes) -> None:
+            msg = decode_control(message)
+            if msg is None:
+                return
+            if msg.op == "cancel" and prefill is not None:
+                prefill.on_cancel(msg, drop_registration, take_finished, write_in_flight)
+            elif msg.op != "cancel" and decode is not None:
+                decode.on_message(msg)
+
+        def get_new_notifs(*args: Any, **kwargs: Any) -> Any:
+            out: dict[str, list[bytes]] = {}
+            for agent, messages in read(*args, **kwargs).items():
+                for message in messages:
+                    if is_control(message):
+                        try:
+                            handle(message)
+                        except Exception:  # a control message must never stop the writer's loop
+                            log.exception("disagg plugin: handling a push control message failed")
+                    else:
+                        out.setdefault(agent, []).append(message)
+            try:
+                self._send_mailbox(mailbox)
+                if decode is not None:
+                    decode.give_up_due()
+                if prefill is not None:
+                    prefill.expire()
+            except Exception:
+                log.exception("disagg plugin: sending push control messages failed")
+            return out
+
+        # The original methods, bound, for the cancel's own use (the hooks below replace them on the instance).
+        pop_registration = w._pop_matching_registration
+
+        def drop_registration(request_id: str) -> bool:
+            return pop_registration(request_id) is not None
+
+        def take_finished(request_id: str) -> str | None:
+            found = w._pop_matching_finished_blocks(request_id)
+            return None if found is None else str(found[0])
+
+        def write_in_flight(request_id: str) -> str | None:
+            base = self.base_request_id(request_id)
+            with w._sending_transfers_lock:
+                return next((r for r in w._sending_transfers if self.base_request_id(r) == base), None)
+
+        w.nixl_wrapper.get_new_notifs = get_new_notifs
+        if prefill is not None:
+            self._hook_prefill(prefill)
+        wake = w._push_writer_wake
+
+        def waker() -> None:
+            while not stop.wait(wake_seconds):
+                wake.set()
+
+        threading.Thread(target=waker, name="disagg-push-control", daemon=True).start()
+
+    def _hook_prefill(self, prefill: PrefillCancels) -> None:
+        w: Any = self._w
+        start_push, pop_registration, pop_done = w._do_start_push_kv, w._pop_matching_registration, \
+            w._pop_done_transfers
+        results = w.get_transfer_results
+
+        def do_start_push_kv(request_id: str, local_block_ids: Any, registration_data: dict[str, Any]) -> None:
+            if prefill.refuse_write(request_id, registration_data):
+                return
+            start_push(request_id, local_block_ids, registration_data)
+            with w._sending_transfers_lock:
+                writing = bool(w._sending_transfers.get(request_id))
+                failed = request_id in w._send_failures and not writing
+            if writing or failed:  # neither: the handshake is still running, and vLLM calls this again after it
+                prefill.posted(request_id, registration_data, failed)
+
+        def pop_matching_registration(request_id: str) -> Any:
+            if prefill.is_cancelled(request_id):
+                prefill.release(request_id)  # finished after its decode cancelled: nothing to WRITE, ever
+                return None
+            return pop_registration(request_id)
+
+        def pop_done_transfers(transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+            done, failed = pop_done(transfers)
+            if transfers is w._sending_transfers and done:  # the caller holds _sending_transfers_lock
+                prefill.writes_done(done, failed | (done & w._send_failures))
+            return done, failed
+
+        pending: dict[str, float] = {}  # finished id -> when its release was first asked for
+
+        def get_transfer_results() -> Any:
+            out = results()
+            now = time.monotonic()
+            for finished_id in prefill.take_releases():
+                pending.setdefault(finished_id, now)
+            for finished_id, since in list(pending.items()):
+                if finished_id in w._reqs_to_send:
+                    # The scheduler holds these blocks for the lease: report them done sending now instead.
+                    del w._reqs_to_send[finished_id]
+                    w._reqs_to_process.discard(finished_id)
+                    out.finished_sending.add(finished_id)
+                    w._evict_finished_inbox.put(finished_id)
+                    prefill.counts["released"] += 1
+                    log.info("disagg plugin: request %s: its decode will not take its KV; released its blocks",
+                             finished_id)
+                elif now - since < RELEASE_WAIT:
+                    continue  # its lease is not in this worker's books yet: the step that brings it is coming
+                del pending[finished_id]
+            return out
+
+        w._do_start_push_kv = do_start_push_kv
+        w._pop_matching_registration = pop_matching_registration
+        w._pop_done_transfers = pop_done_transfers
+        w.get_transfer_results = get_transfer_results
+
+    def _send_mailbox(self, mailbox: Mailbox) -> None:
+        """Send what `mailbox` holds (writer thread). A peer whose agent is not loaded yet is handshaken with, and
+        its messages wait for a later turn; one the handshake fails for loses its messages (logged)."""
+        w: Any = self._w
+        waiting = []
+        for item in mailbox.take():
+            to = item.to
+            with w._handshake_lock:
+                agents = dict(w._remote_agents.get(to.engine_id) or {})
+            if not agents:
+                fut = self.ensure_handshake(to.engine_id, to.host, to.port, to.tp_size, to.pp_size, item.notif_only)
+                if fut is not None:
+                    if fut.done() and fut.exception() is not None:
+                        log.warning("disagg plugin: cannot reach engine %s for a %s message: %s", to.engine_id,
+                                    item.message.op, fut.exception())
+                    else:
+                        waiting.append(item)
+                    continue
+                with w._handshake_lock:
+                    agents = dict(w._remote_agents.get(to.engine_id) or {})
+            names = list(agents.values()) if item.all_ranks or to.rank not in agents else [agents[to.rank]]
+            encoded, sent = item.message.encode(), 0
+            for name in names:
+                try:
+                    w.nixl_wrapper.send_notif(name, notif_msg=encoded)
+                    sent += 1
+                except Exception as e:
+                    log.warning("disagg plugin: sending a %s message to %s failed: %s", item.message.op, name, e)
+            if sent:
+                item.sent(sent)
+        mailbox.put_back(waiting)
+
+    def wake_writer(self) -> None:
+        self._w._push_writer_wake.set()  # type: ignore[attr-defined]
+
+    def has_receive(self, request_id: str) -> bool:
+        return request_id in self._w._recving_metadata
+
+    def drop_empty_receive(self, request_id: str) -> bool:
+        """Forget the empty receive vLLM records for a push decode request aborted before it was allocated (its
+        scheduler does so "to let P free its blocks", which push mode never does): it would wait forever. Main
+        thread."""
+        meta = self._w._recving_metadata.get(request_id)
+        if meta is None or any(meta.local_block_ids):
+            return False
+        del self._w._recving_metadata[request_id]
+        return True
+
     # -- the registration timeout --------------------------------------------------------------------------------
     def fail_receive(self, request_id: str) -> bool:
         """Report a receive this worker waits for as failed, through vLLM's own path for a failed PUSH_REG handshake
@@ -477,6 +701,39 @@ class SchedulerShim:
     def watched_registrations(self) -> set[str]:
         """Decode request ids whose registration vLLM's push watchdog still watches (empty in pull mode)."""
         return set(self._s._push_registration_deadlines) if self.push else set()  # type: ignore[attr-defined]
+
+    def registration_deadline(self, request_id: str) -> float | None:
+        """Wall-clock time at which vLLM's push watchdog gives up on `request_id`'s registration; None when it
+        does not watch one (never registered, its KV arrived, or it already timed out)."""
+        deadline = self._s._push_registration_deadlines.get(request_id)  # type: ignore[attr-defined]
+        return None if deadline is None else time.time() + (deadline - time.perf_counter())
+
+    def stamp_deadlines(self, metadata: Any) -> None:
+        """Add each outgoing PUSH_REG registration's wall-clock deadline (`disagg_deadline`), after which its
+        prefill must not WRITE it (`push_cancel`). vLLM's prefill ignores fields it does not know."""
+        for request_id, registration in (getattr(metadata, "push_registrations", None) or {}).items():
+            deadline = self.registration_deadline(request_id)
+            if deadline is not None and isinstance(registration, dict):
+                registration["disagg_deadline"] = deadline
+
+
+def request_params(request: Any) -> dict[str, Any] | None:
+    """A vLLM request's kv_transfer_params (decode: where its KV comes from)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, dict) else None
+
+
+def request_id(request: Any) -> str:
+    return str(request.request_id)
+
+
+def carry_cancels(metadata: Any, orders: list[CancelOrder]) -> None:
+    """Carry push cancels to the workers in this step's connector metadata."""
+    metadata.disagg_cancels = tuple(orders)
+
+
+def cancels(metadata: Any) -> tuple[CancelOrder, ...]:
+    return getattr(metadata, "disagg_cancels", ())
 
 
 def mark_failed_receives(metadata: Any, request_ids: set[str]) -> None:
