@@ -42,6 +42,9 @@ class EngineSpec:
     side_channel_port: int = 0
     engine_id: str = ""
     kv_cache_gib: int = 1
+    num_blocks: int | None = None
+    """KV cache blocks (`--num-gpu-blocks-override`), to have blocks evicted and reused all the time; None: as many
+    as `kv_cache_gib` holds."""
     max_model_len: int = 8192
     block_size: int = 128
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -136,9 +139,11 @@ class LocalEngine:
                 "--enforce-eager", "--max-model-len", str(s.max_model_len),
                 # In a namespace of its own, all addresses, as in a pod: the plugin's warm-up calls 127.0.0.1.
                 "--host", "0.0.0.0" if s.netns else "127.0.0.1",
-                "--port", str(s.port), "--seed", "0", "--disable-log-stats",
+                "--port", str(s.port), "--seed", "0",
                 # Let the engine core run its shutdown (and the plugin deregister) instead of being killed at once.
                 "--shutdown-timeout", "5"]
+        if s.num_blocks is not None:
+            argv += ["--num-gpu-blocks-override", str(s.num_blocks)]
         if (cfg := s.kv_transfer_config()) is not None:
             argv += ["--kv-transfer-config", json.dumps(cfg)]
         return argv
