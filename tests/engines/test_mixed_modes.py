@@ -17,6 +17,7 @@ from support.engines import (
     advertised,
     await_advertised,
     completion,
+    kv_moved,
     log_lines,
     post,
     push_by_hand,
@@ -81,7 +82,9 @@ class TestMixedModes:
         # The same engine serves a push request with its prefill, and a plain one, with the reference output.
         # Sequential legs: the registration clock starts only once prefill is done, so a prefill slowed by a busy
         # machine cannot run into this engine's 3 s timeout.
-        status, resp = push_by_hand(p, d, completion(PROMPTS[1]), sequential=True)
+        with kv_moved(p, d, "push") as kv:
+            status, resp = push_by_hand(p, d, completion(PROMPTS[1]), sequential=True)
         assert status == 200 and text_of(resp) == reference[("completion", 1)]
+        kv.check(1)
         status, resp = post(d.url + "/v1/completions", completion(PROMPTS[0]))
         assert status == 200 and text_of(resp) == reference[("completion", 0)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.engines import advertised, await_log, await_status, check_outputs, log_lines, metric
+from support.engines import advertised, await_log, await_status, check_outputs, kv_moved, log_lines, metric
 
 pytestmark = pytest.mark.engines
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.engines
 class TestPull:
     def test_outputs_equal_a_single_engine_streaming_and_not(self, pull_pair, reference):
         await_status(pull_pair.router.url + "/health")
-        check_outputs(pull_pair.router.url, reference)
+        check_outputs(pull_pair.router.url, reference, kv_moved(pull_pair.prefill, pull_pair.decode, "pull"))
         # The decode's READs started before each step's forward (the plugin on CPU engines), and its outputs still
         # equal a single engine's: no READ landed in a block before vLLM had zeroed it.
         assert log_lines(pull_pair.decode, "KV transfers start before its forward")

@@ -23,6 +23,7 @@ from support.engines import (
     await_status,
     check_outputs,
     completion,
+    kv_moved,
     log_lines,
     metric,
     post,
@@ -65,9 +66,11 @@ class TestPush:
             assert log_lines(engine, "warmed up with two requests of its own (320 prompt tokens")
         url = push_pair.router.url
         await_status(url + "/health")
-        status, resp = post(url + "/v1/completions", completion(PROMPTS[0]))
+        with kv_moved(p, d, "push") as kv:
+            status, resp = post(url + "/v1/completions", completion(PROMPTS[0]))
         assert status == 200, resp
         assert text_of(resp) == reference[("completion", 0)]
+        kv.check(1)
         assert metric(url, "disagg_router_decode_legs_total", mode="push") == 1
         # The decode leg reached its engine while prefill was still computing: the push fast path.
         assert metric(url, "disagg_router_decode_before_prefill_done_total", mode="push") == 1
@@ -132,7 +135,7 @@ class TestPush:
             assert time.monotonic() < deadline, f"no idle 2 s window in 30 s; the last: {used} cores, {busy}"
 
     def test_outputs_equal_a_single_engine_streaming_and_not(self, push_pair, reference):
-        check_outputs(push_pair.router.url, reference)
+        check_outputs(push_pair.router.url, reference, kv_moved(push_pair.prefill, push_pair.decode, "push"))
 
     def test_bad_requests_get_4xx_and_engines_survive(self, push_pair, reference):
         url = push_pair.router.url
@@ -183,9 +186,11 @@ class TestPush:
         await_log(p, f"warmed the WRITE path to decode engine {d.spec.engine_id}")
         await_status(push_pair.router.url + "/health")
         t0 = time.monotonic()
-        status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[1]), timeout=60)
+        with kv_moved(p, d, "push") as kv:
+            status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[1]), timeout=60)
         assert status == 200 and text_of(resp) == reference[("completion", 1)]
         assert time.monotonic() - t0 < 30, "no registration-timeout hang"
+        kv.check(1)
         await_log(p, f"released NIXL agent of departed engine {old_id}")
         assert old_id not in advertised(push_pair.rendezvous.url)
         # It left on SIGTERM rather than by lease expiry.
@@ -198,8 +203,11 @@ class TestPush:
         try:
             d.restart()
             d.wait_ready()
-            status, resp = push_by_hand(p, d, completion(PROMPTS[0]))
+            await_log(d, "warmed up with two requests of its own")  # its own prompts, computed before it serves ours
+            with kv_moved(p, d, "push") as kv:
+                status, resp = push_by_hand(p, d, completion(PROMPTS[0]))
             assert status == 200 and text_of(resp) == reference[("completion", 0)]
+            kv.check(1)
             # Neither side knew the other from the rendezvous: vLLM's lazy handshake carried the request.
             assert log_lines(d, f"{LAZY_HANDSHAKE} {p.spec.engine_id}")
             assert log_lines(p, f"{LAZY_HANDSHAKE} {d.spec.engine_id}")
@@ -208,8 +216,10 @@ class TestPush:
         adv = await_advertised(rendezvous.url, d.spec.engine_id)
         assert adv.transport == "UCX" and adv.kv_metadata is not None
         await_status(push_pair.router.url + "/health")
-        status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[1]), timeout=60)
+        with kv_moved(p, d, "push") as kv:
+            status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[1]), timeout=60)
         assert status == 200 and text_of(resp) == reference[("completion", 1)]
+        kv.check(1)
 
     def test_a_decode_whose_first_forward_is_one_token_serves(self, push_pair, reference):
         """vLLM's CPU attention uses AMX tiles, which Linux grants only on request, and vLLM never asks: oneDNN
@@ -225,8 +235,10 @@ class TestPush:
         await_log(d, "warmed up with two requests of its own (1 prompt tokens")
         await_advertised(push_pair.rendezvous.url, d.spec.engine_id)
         await_status(push_pair.router.url + "/health")
-        status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[0]), timeout=60)
+        with kv_moved(push_pair.prefill, d, "push") as kv:
+            status, resp = post(push_pair.router.url + "/v1/completions", completion(PROMPTS[0]), timeout=60)
         assert status == 200 and text_of(resp) == reference[("completion", 0)]
+        kv.check(1)
         assert log_lines(d, "Illegal instruction") == []
 
     def test_dead_prefill_leaves_rotation_within_two_seconds(self, push_pair):

@@ -7,7 +7,7 @@ import pytest
 
 from support.dinf import Dinf
 from support.engines import check_outputs
-from support.node import deploy, transport_verdict
+from support.node import deploy, deployed_kv, transport_verdict
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.engines]
 
@@ -24,4 +24,4 @@ def test_pull_is_ready_with_its_transport_verified(cluster, pull):
 
 
 def test_greedy_outputs_through_the_router_service_equal_a_single_engines(pull, reference):
-    check_outputs(pull.router_url, reference)
+    check_outputs(pull.router_url, reference, deployed_kv(pull, "pull"))

@@ -20,7 +20,7 @@ from disagg.operator import names
 from support.dinf import revision
 from support.engines import Load, check_outputs, completion, metric
 from support.kube import pod_ready, watch_until
-from support.node import Deployed, deploy, transport_verdict
+from support.node import Deployed, deploy, deployed_kv, transport_verdict
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node, pytest.mark.engines]
 
@@ -50,7 +50,7 @@ def test_engines_run_as_pods_on_the_node_and_the_transport_is_verified(cluster, 
 
 
 def test_greedy_outputs_through_the_router_service_equal_a_single_engines(push, reference):
-    check_outputs(push.router_url, reference)
+    check_outputs(push.router_url, reference, deployed_kv(push, "push"))
 
 
 def _advertised(d: Deployed) -> dict[str, dict]:

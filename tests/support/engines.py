@@ -194,13 +194,53 @@ def push_by_hand(prefill, decode, body: dict, sequential: bool = False) -> tuple
     return out
 
 
-def check_outputs(router_url: str, reference: dict) -> None:
-    for i, prompt in enumerate(PROMPTS):
-        status, resp = post(router_url + "/v1/completions", completion(prompt))
-        assert status == 200, resp
-        assert text_of(resp) == reference[("completion", i)]
-        assert stream_text(router_url + "/v1/completions", completion(prompt)) == reference[("completion", i)]
-        status, resp = post(router_url + "/v1/chat/completions", chat(prompt))
-        assert status == 200, resp
-        assert text_of(resp) == reference[("chat", i)]
-        assert stream_text(router_url + "/v1/chat/completions", chat(prompt)) == reference[("chat", i)]
+class KvMoved:
+    """Proof that a block of P/D requests took its KV from the prefill engine: the decode engine computed at most
+    one prompt token per request itself (the last, which vLLM may recompute) and took the rest from prefill (or its
+    own prefix cache), and the transfer counter of the engine that drives transfers moved (push: prefill WRITEs;
+    pull: decode READs).
+    vLLM's own counters, read before and after: `with KvMoved(prefill_url, decode_url, mode) as kv: ...` then
+    `kv.check(requests)`. A decode that recomputed its prompts would pass an output comparison, not this."""
+
+    def __init__(self, prefill_url: str, decode_url: str, mode: str) -> None:
+        self.decode_url = decode_url
+        self.driver_url = prefill_url if mode == "push" else decode_url
+
+    def _read(self) -> tuple[float, float, float]:
+        source = "vllm:prompt_tokens_by_source_total"
+        return (scrape(self.decode_url + "/metrics", source, source="local_compute"),
+                scrape(self.decode_url + "/metrics", source, source="external_kv_transfer"),
+                scrape(self.driver_url + "/metrics", "vllm:nixl_xfer_time_seconds_count"))
+
+    def __enter__(self) -> KvMoved:
+        self.before = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.after = self._read()
+
+    def check(self, requests: int) -> None:
+        computed, received, transfers = (a - b for a, b in zip(self.after, self.before, strict=True))
+        assert computed <= requests, f"decode computed {computed} prompt tokens itself for {requests} requests"
+        assert received > 0 and transfers >= 1, f"no KV crossed: {received} tokens received, {transfers} transfers"
+
+
+def kv_moved(prefill, decode, mode: str) -> KvMoved:
+    """KvMoved for two local engines (LocalEngine)."""
+    return KvMoved(prefill.url, decode.url, mode)
+
+
+def check_outputs(router_url: str, reference: dict, kv: KvMoved) -> None:
+    """Every prompt's greedy answer through the router equals a single engine's, for completions and chat,
+    streamed and not, and each of them took its prompt's KV from prefill (`kv`)."""
+    with kv:
+        for i, prompt in enumerate(PROMPTS):
+            status, resp = post(router_url + "/v1/completions", completion(prompt))
+            assert status == 200, resp
+            assert text_of(resp) == reference[("completion", i)]
+            assert stream_text(router_url + "/v1/completions", completion(prompt)) == reference[("completion", i)]
+            status, resp = post(router_url + "/v1/chat/completions", chat(prompt))
+            assert status == 200, resp
+            assert text_of(resp) == reference[("chat", i)]
+            assert stream_text(router_url + "/v1/chat/completions", chat(prompt)) == reference[("chat", i)]
+    kv.check(4 * len(PROMPTS))

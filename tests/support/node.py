@@ -19,6 +19,15 @@ class Deployed:
     rendezvous_url: str
 
 
+def deployed_kv(d: Deployed, mode: str):
+    """KvMoved for a deployment's two engine pods, reached at their advertised addresses (pod IPs route from the
+    host over the node's bridge)."""
+    from support.engines import KvMoved, advertised
+
+    urls = {adv.role: adv.http_url for adv in advertised(d.rendezvous_url).values()}
+    return KvMoved(urls["prefill"], urls["decode"], mode)
+
+
 def deploy(cluster, real_node, namespace: str, name: str, mode: str, timeout: float = 420, wait: bool = True,
            **overrides) -> Deployed | None:
     """Apply the tiny-cpu example (as on any cluster, plus the dev engine image's host mounts) with its model
