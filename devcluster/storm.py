@@ -112,6 +112,8 @@ class StormReport:
     aborted: list[Aborted] = field(default_factory=list)
     background: list[tuple[int, float | None]] = field(default_factory=list)
     """Background requests: (status, TTFT seconds or None)."""
+    kept: list[tuple[int, float | None]] = field(default_factory=list)
+    """The control run's would-be aborted requests, whose clients waited: (status, TTFT seconds or None)."""
     references: list[Reference] = field(default_factory=list)
 
     def wrong(self) -> list[tuple[Verified, Reference]]:
@@ -179,9 +181,9 @@ async def verify(session: aiohttp.ClientSession, url: str, i: int, ref: Referenc
 
 
 async def _abort(session: aiohttp.ClientSession, url: str, rng: random.Random, lengths: tuple[int, int],
-                 typical_ttft: float, report: StormReport) -> None:
+                 typical_ttft: float, report: StormReport, go_away: bool) -> None:
     """One request whose client goes away: at a moment drawn from four kinds, so that every phase of a request is
-    hit in a run of a few dozen."""
+    hit in a run of a few dozen. Not `go_away`: the same request, whose client waits for the end (the control)."""
     kind = rng.choice(["at once", "prefill", "handoff", "stream"])
     after = {"at once": rng.uniform(0, 0.02), "prefill": rng.uniform(0.02, max(0.03, typical_ttft * 0.8)),
              "handoff": typical_ttft * rng.uniform(0.8, 1.3), "stream": float("inf")}[kind]
@@ -198,6 +200,10 @@ async def _abort(session: aiohttp.ClientSession, url: str, rng: random.Random, l
 
     t0 = time.monotonic()
     task = asyncio.create_task(_stream(session, url + PATHS["completions"], body, on_chunk))
+    if not go_away:
+        status, _, _, ttft = await task
+        report.kept.append((status, ttft))
+        return
     waiter = asyncio.create_task(gone.wait())
     done, _ = await asyncio.wait({task, waiter}, timeout=None if after == float("inf") else after,
                                  return_when=asyncio.FIRST_COMPLETED)
@@ -224,9 +230,12 @@ async def _background(session: aiohttp.ClientSession, url: str, rng: random.Rand
 
 async def storm(url: str, references: list[Reference], *, seconds: float, abort_rate: float,
                 background_rate: float, prompt_lengths: tuple[int, int], typical_ttft: float, seed: int = 0,
+                verify_rate: float | None = None, go_away: bool = True,
                 request_timeout: float = 120.0) -> StormReport:
     """Run the storm against `url` (see the module's docstring); verification cycles through `references`,
-    alternating streamed and whole answers. Returns once every request sent has ended."""
+    alternating streamed and whole answers, one after another (`verify_rate` None) or at that rate (Poisson).
+    Not `go_away`: the control run, where the clients of the would-be aborted requests wait for their answers
+    (`kept`). Returns once every request sent has ended."""
     rng = random.Random(seed)
     report = StormReport(references=list(references))
     timeout = aiohttp.ClientTimeout(total=request_timeout)
@@ -240,27 +249,34 @@ async def storm(url: str, references: list[Reference], *, seconds: float, abort_
             task.add_done_callback(tasks.discard)
 
         async def arrivals(rate: float, make: Any) -> None:
+            """Poisson arrivals of `make(rng)`, each with a generator of its own: the same seed gives the same
+            arrivals and requests in every arm, whatever order the event loop runs them in."""
             if rate <= 0:
                 return
+            own = random.Random(rng.getrandbits(64))
             at = time.monotonic()
             while True:
-                at += rng.expovariate(rate)
+                at += own.expovariate(rate)
                 if at >= end:
                     return
                 await asyncio.sleep(max(0.0, at - time.monotonic()))
-                spawn(make())
+                spawn(make(random.Random(own.getrandbits(64))))
+
+        turn = iter(range(1 << 62))
+
+        async def one_verification(_rng: random.Random | None = None) -> None:
+            i = next(turn)
+            k = i % len(references)
+            report.verified.append(await verify(session, url, k, references[k], stream=bool(i % 2)))
 
         async def verification() -> None:
-            i = 0
             while time.monotonic() < end:
-                k = i % len(references)
-                report.verified.append(await verify(session, url, k, references[k], stream=bool(i % 2)))
-                i += 1
+                await one_verification()
 
         await asyncio.gather(
-            arrivals(abort_rate, lambda: _abort(session, url, rng, prompt_lengths, typical_ttft, report)),
-            arrivals(background_rate, lambda: _background(session, url, rng, prompt_lengths, report)),
-            verification())
+            arrivals(abort_rate, lambda r: _abort(session, url, r, prompt_lengths, typical_ttft, report, go_away)),
+            arrivals(background_rate, lambda r: _background(session, url, r, prompt_lengths, report)),
+            verification() if verify_rate is None else arrivals(verify_rate, one_verification))
         while tasks:
             await asyncio.gather(*list(tasks), return_exceptions=True)
     return report
