@@ -13,9 +13,9 @@ import jinja2
 
 from disagg.connector.wire.env import ROLES
 
-# Written literally into vLLM arguments by the operator (the engine id is only known inside the pod: it is
-# the pod name plus UID). The rendered script replaces every occurrence with the runtime value of
-# $DISAGG_ENGINE_ID; nothing else in an argument is expanded.
+# Written literally into vLLM arguments by the operator (the engine id is only known inside the pod: the pod name
+# plus UID, and a suffix the script draws at each start). The rendered script replaces every occurrence with the
+# runtime value of $DISAGG_ENGINE_ID; nothing else in an argument is expanded.
 ENGINE_ID_PLACEHOLDER = "$DISAGG_ENGINE_ID"
 
 # Beside this module (package data). Not importlib.resources: disagg.operator is a namespace package.

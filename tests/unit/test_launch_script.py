@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -91,6 +92,7 @@ def fake_pod(tmp_path: Path) -> Pod:
     # Records its argv, and the CPU binding it was started with.
     python = _exe(bin_dir / "python-stub", f"printf '%s\\0' \"$@\" > '{tmp_path / 'argv'}'\n"
                   f"printf '%s' \"${{VLLM_CPU_OMP_THREADS_BIND-<unset>}}\" > '{tmp_path / 'cpu-bind'}'\n"
+                  f"printf '%s' \"${{DISAGG_ENGINE_ID-<unset>}}\" > '{tmp_path / 'engine-id'}'\n"
                   f"awk '/^Cpus_allowed_list/ {{print $2}}' /proc/self/status > '{tmp_path / 'cpus-allowed'}'\n")
     env = {
         "PATH": str(bin_dir),
@@ -140,13 +142,25 @@ def test_operator_rendered_script_execs_vllm_with_expanded_engine_id(fake_pod):
     assert argv[argv.index("--model") + 1] == "Qwen/Qwen3-32B"
     assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
-    assert config["engine_id"] == ENGINE_ID
+    # The pod's id plus this start's own suffix, the same in vLLM's config and in the env the plugin reads.
+    assert re.fullmatch(re.escape(ENGINE_ID) + r"-[0-9a-f]{8}", config["engine_id"]), config["engine_id"]
+    assert (fake_pod.root / "engine-id").read_text() == config["engine_id"]
     assert config["kv_role"] == "kv_consumer"
     # A push decode waits spec.kvTransfer.registrationTimeoutSeconds for its KV, not vLLM's 480 s.
     assert config["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"], "push_registration_timeout": 60}
     # Shell metacharacters in user args reach vLLM verbatim.
     assert argv[-2:] == ["--chat-template", "{{ it's $HOME `x` }}"]
     assert not fake_pod.termlog.exists()
+
+
+def test_each_start_of_the_container_is_a_new_engine(fake_pod):
+    """A container restarted in place keeps its pod's name and UID; its peers must not take it for the old process
+    (whose NIXL agent they hold), so every start gets an engine id of its own."""
+    ids = set()
+    for _ in range(3):
+        assert fake_pod.run(script()).returncode == 0
+        ids.add(json.loads(fake_pod.argv()[fake_pod.argv().index("--kv-transfer-config") + 1])["engine_id"])
+    assert len(ids) == 3 and all(i.startswith(ENGINE_ID + "-") for i in ids)
 
 
 def test_extra_container_args_are_passed_through(fake_pod):
