@@ -82,6 +82,12 @@ def _router(args: argparse.Namespace) -> None:
     router.main(args)
 
 
+def _emulator(args: argparse.Namespace) -> None:
+    from disagg.connector.emulator import main as emulator
+
+    emulator.main(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disagg", description="Disaggregated vLLM serving on Kubernetes.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -121,6 +127,13 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("router", help="the OpenAI-compatible push/pull-aware router in front of the engines")
     router_args.add_arguments(g)
     g.set_defaults(func=_router)
+
+    from disagg.connector.emulator import flags as emulator_args
+
+    e = sub.add_parser("emulator", help="an ENGINE EMULATOR (not vLLM): a prefill or decode engine's protocols, "
+                                        "time and capacity, for tests at fleet size")
+    emulator_args.add_arguments(e)
+    e.set_defaults(func=_emulator)
 
     i = sub.add_parser("install-plugin", help="copy the vLLM connector plugin (disagg.connector) into DIR, for "
                                              "engines run with PYTHONPATH=DIR (the engine pods' init container)")
