@@ -8,10 +8,11 @@ arm, arms interleaved ABBA on the same pair:
   `--verify-rate` whose answers are compared with the ones recorded on the quiet pair first;
 - `aborts@k`: the same, plus k requests a second whose client goes away (at once, during prefill, around the
   handoff or mid-stream);
-- `control@k`: the same as `aborts@k`, request for request (one seed), but those clients wait for their answers.
-So `aborts@k` against `control@k` differs only in clients going away: an aborted request can only cost others
-less work than in the control, and any slowdown is a stall. The TTFT of a background request is measured by this
-client (send to first streamed token).
+- `control@k`: the same as `aborts@k`, request for request (one seed), but each of those requests asks for as
+  many tokens as its client would have waited for (one, where it would have gone before the first) and gets them.
+So `aborts@k` against `control@k` is about the same work, abandoned or finished: a slowdown is the cost of the
+aborts themselves, a stall. Against `quiet` it also carries the aborted requests' work. The TTFT of a background
+request is measured by this client (send to first streamed token).
 
 Per arm, pooled over its rounds: TTFT p50 and p99 of the background requests with bootstrap 90% intervals, and
 `aborts@k`'s p99 over `control@k`'s (the goal: at most 2x); failed and wrong verification answers; the seconds
@@ -32,10 +33,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -62,14 +60,6 @@ def abba(arms: list[str], rounds: int) -> list[tuple[int, str]]:
         for arm in (arms if r % 2 == 0 else arms[::-1]):
             out.append((r, arm))
     return out
-
-
-def commit() -> str:
-    root = HERE.parent
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                           text=True).stdout.strip()
-    return head + ("-dirty" if dirty else "")
 
 
 def scrape(url: str, name: str) -> float:
@@ -213,7 +203,8 @@ async def typical_ttft(url: str, n: int) -> float:
 
 
 def _ttfts(arm: dict[str, Any]) -> list[float]:
-    return [row[2] / 1000 for row in arm["background"] if row[1] == 200 and row[2] is not None]
+    """TTFTs of the background requests that were answered; rows end with [..., status, TTFT ms]."""
+    return [row[-1] / 1000 for row in arm["background"] if row[-2] == 200 and row[-1] is not None]
 
 
 def summarize(out: dict[str, Any], arms: list[str], seed: int) -> dict:
@@ -224,10 +215,11 @@ def summarize(out: dict[str, Any], arms: list[str], seed: int) -> dict:
         a["ttft"] = dist(ttft)
         a["ttft_p50_ci90_ms"], a["ttft_p99_ci90_ms"] = (ci_ms(ttft, q, rng) for q in (0.5, 0.99))
         if arm.startswith("aborts@"):
-            control = _ttfts(out[arm.replace("aborts", "control")])
-            for q, key in ((0.99, "p99"), (0.5, "p50")):
-                a[f"{key}_over_control"] = round((quantile(ttft, q) or 0) / (quantile(control, q) or 1), 3)
-                a[f"{key}_over_control_ci90"] = percentile_ratio_ci(ttft, control, q, rng)
+            for base, values in (("control", _ttfts(out[arm.replace("aborts", "control")])),
+                                 ("quiet", _ttfts(out["quiet"]))):
+                for q, key in ((0.99, "p99"), (0.5, "p50")):
+                    a[f"{key}_over_{base}"] = round((quantile(ttft, q) or 0) / (quantile(values, q) or 1), 3)
+                    a[f"{key}_over_{base}_ci90"] = percentile_ratio_ci(ttft, values, q, rng)
         totals = {k: sum(r[k] for r in a["rounds"]) for k in
                   ("aborted", "background", "background_failed", "kept", "kept_failed", "verified",
                    "verification_failed",
@@ -244,6 +236,40 @@ def ci_ms(values: list[float], q: float, rng: random.Random, n: int = 2000) -> l
     return [round(stats[int(0.05 * n)] * 1000, 1), round(stats[int(0.95 * n)] * 1000, 1)]
 
 
+def combine(paths: list[Path]) -> dict:
+    """One result from runs of the same code: every request of every run pooled per mode and arm (the headline,
+    with intervals), and each run's own ratios beside it (a goal is judged on the runs, not the best one)."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    commits = {r["commit"] for r in runs}
+    if len(commits) != 1:
+        raise SystemExit(f"runs of different code: {sorted(commits)}")
+    modes: dict[str, Any] = {}
+    for mode in runs[0]["modes"]:
+        arms = list(runs[0]["modes"][mode])
+        pooled: dict[str, Any] = {a: {"rounds": [], "background": [], "verified": []} for a in arms}
+        for i, run in enumerate(runs):
+            for arm in arms:
+                src = run["modes"][mode][arm]
+                pooled[arm]["rounds"] += [{**r, "run": i} for r in src["rounds"]]
+                pooled[arm]["background"] += [[i, *row] for row in src["background"]]
+                pooled[arm]["verified"] += [[i, *row] for row in src["verified"]]
+        modes[mode] = summarize(pooled, arms, 0)
+        for arm in arms:
+            if arm.startswith("aborts@"):
+                modes[mode][arm]["per_run"] = [{k: run["modes"][mode][arm].get(k) for k in
+                                                ("p99_over_control", "p99_over_quiet", "p50_over_control")}
+                                               for run in runs]
+    first = runs[0]
+    return {**{k: first[k] for k in ("benchmark", "issue", "config", "definitions")},
+            "when": max(r["when"] for r in runs), "commit": first["commit"],
+            "command": f"{first['command']}  (x{len(runs)} with seeds {[r['config'].get('seed') for r in runs]}), "
+                       f"then bench/abort_storm.py --combine",
+            "machine": first["machine"],
+            "runs": [{"file": str(p.name), "when": r["when"], "command": r["command"], "machine": r["machine"],
+                      "loadavg_at_end": r.get("loadavg_at_end")} for p, r in zip(paths, runs, strict=True)],
+            "modes": modes}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="push,pull")
@@ -258,7 +284,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="2 rounds of 20 s, for checking the harness")
     p.add_argument("--out", default=str(RESULTS / "abort_storm.json"))
+    p.add_argument("--combine", nargs="+", type=Path, help="pool these runs' result files into --out instead")
     args = p.parse_args()
+    if args.combine:
+        Path(args.out).write_text(result_file.dumps(combine(args.combine)) + "\n")
+        return
     if args.quick:
         args.rounds, args.seconds = 1, 15
     args.num_blocks = args.num_blocks or None
@@ -267,24 +297,25 @@ def main() -> None:
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / f"abort-storm-{os.getpid()}"
     logs.mkdir(parents=True)
     plugin = install_plugin(logs / "plugin")
-    load0 = Path("/proc/loadavg").read_text().split()[:3]
+    made = result_file.provenance()
     modes = {}
     for mode in args.modes.split(","):
         modes[mode] = run_mode(mode, args, python, model, logs, plugin)
     result = {
         "benchmark": "abort_storm", "issue": 34, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(sys.argv), "commit": commit(),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": load0,
-                    "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3]},
-        "config": {"model": args.model, "kv_bytes_per_token": tinymodel.kv_bytes_per_token(tinymodel.SPECS[args.model]),
+        **made, "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
+        "config": {"seed": args.seed, "model": args.model,
+                   "kv_bytes_per_token": tinymodel.kv_bytes_per_token(tinymodel.SPECS[args.model]),
                    "num_blocks": args.num_blocks, "abort_rates": args.abort_rates, "rounds": args.rounds,
                    "seconds": args.seconds, "background_rate": args.background_rate,
                    "verify_rate": args.verify_rate,
                    "prompt_lengths": args.prompt_lengths, "goal_p99_ratio": GOAL,
                    "layout": "prefill on core 0, decode on core 1, each with the plugin; our router; one rendezvous"},
         "definitions": {
-            "background rows": "[round, HTTP status, TTFT ms (send to first streamed token)]",
-            "verified rows": "[round, reference index, streamed, HTTP status, ms]",
+            "background rows": "[round, HTTP status, TTFT ms (send to first streamed token)], each led by its run "
+                               "when runs are pooled",
+            "verified rows": "[round, reference index, streamed, HTTP status, ms], each led by its run when runs "
+                             "are pooled",
             "p99_over_control": "aborts@k: background TTFT p99 over control@k's (the same requests, no client going "
                                 "away), pooled over rounds, with a bootstrap 90% interval over requests"},
         "modes": modes,

@@ -19,17 +19,19 @@ Results = dict[str, dict[str, Any]]  # file name -> its JSON
 
 @dataclass(frozen=True)
 class Goal:
-    op: str  # "<=", "<", ">=" or "=="
+    op: str  # "<=", "<", ">=", "==", or "±": a ratio within `threshold` of 1
     threshold: float
     why: str = ""  # the issue that set it
 
     def met(self, value: float | None) -> bool | None:
         ops: dict[str, Callable[[float, float], bool]] = {
-            "<=": operator.le, "<": operator.lt, ">=": operator.ge, "==": operator.eq}
+            "<=": operator.le, "<": operator.lt, ">=": operator.ge, "==": operator.eq,
+            "±": lambda v, t: abs(v - 1) <= t + 1e-9}
         return None if value is None else ops[self.op](value, self.threshold)
 
     def text(self) -> str:
-        return f"{self.op} {self.threshold:g}" + (f" ({self.why})" if self.why else "")
+        rule = f"1 ± {self.threshold:g}" if self.op == "±" else f"{self.op} {self.threshold:g}"
+        return rule + (f" ({self.why})" if self.why else "")
 
 
 @dataclass(frozen=True)
@@ -308,10 +310,108 @@ def _kv_write(name: str, d: dict[str, Any]) -> Iterator[Row]:
                       None, None, n)
 
 
+def _abort_storm(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """Client aborts against the same requests finished (issue 34): the TTFT of the requests nobody aborted, and
+    what no storm may cause (failures, wrong tokens, an engine marked down); pooled over the runs of one code."""
+    cfg = d.get("config", {})
+    runs = len(d.get("runs", [])) or 1
+    for mode, arms in d["modes"].items():
+        for arm, a in arms.items():
+            if not arm.startswith("aborts@"):
+                continue
+            k = arm.split("@", 1)[1]
+            n = f"{a['ttft']['n']} requests, {runs} run{'s' if runs > 1 else ''} x {cfg.get('rounds')} ABBA rounds"
+            per_run = [r.get("p99_over_control") for r in a.get("per_run", [])]
+            yield Row("abort_storm", f"{mode}: TTFT p99 with {k} aborts/s / the same requests finished",
+                      a.get("p99_over_control"), "x", name, _ci(a.get("p99_over_control_ci90")),
+                      Goal("<=", 2.0, "issue 34"), n + (f"; per run {per_run}" if per_run else ""))
+            yield Row("abort_storm", f"{mode}: TTFT p99 with {k} aborts/s / no aborted requests at all",
+                      a.get("p99_over_quiet"), "x", name, _ci(a.get("p99_over_quiet_ci90")), None, n)
+        t = {key: sum(a["totals"][key] for a in arms.values()) for key in
+             ("background", "background_failed", "verified", "verification_failed", "verification_differs",
+              "down_samples", "aborted")}
+        n = f"{t['background'] + t['verified']} requests beside {t['aborted']} aborted"
+        yield Row("abort_storm", f"{mode}: failed requests nobody aborted", t["background_failed"] +
+                  t["verification_failed"], "requests", name, None, Goal("==", 0, "issue 34"), n)
+        yield Row("abort_storm", f"{mode}: verification answers that differ", t["verification_differs"], "requests",
+                  name, None, Goal("==", 0, "issue 34") if cfg.get("model") == "tiny" else None,
+                  f"of {t['verified']}")
+        yield Row("abort_storm", f"{mode}: samples with an engine marked down", t["down_samples"], "samples", name,
+                  None, Goal("==", 0, "issue 34"), "the router's /health every 0.5 s")
+
+
+def _soak(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """The chaos soak (issue 34): wrong answers (never), failures outside faults (never), and per fault kind its
+    failed requests and recovery; graceful deletions must fail nothing."""
+    h, cfg = d["headline"], d.get("config", {})
+    n = f"of {h['requests']} in {cfg.get('seconds')} s with {h['faults']} faults"
+    yield Row("soak", "wrong answers", h["wrong"], "requests", name, None, Goal("==", 0, "issue 34"), n)
+    yield Row("soak", "failed requests outside fault windows", h["failed_outside_faults"], "requests", name, None,
+              Goal("==", 0, "issue 34"), n)
+    for kind, k in sorted(d["by_kind"].items()):
+        goal = Goal("==", 0, "issue 34") if kind.startswith("delete-") else None
+        yield Row("soak", f"{kind}: failed requests", k["failed"], "requests", name, None, goal,
+                  f"of {k['requests']} sent during {k['count']} fault{'s' if k['count'] > 1 else ''}"
+                  + (f"; {k['causes']}" if k["causes"] else ""))
+        yield Row("soak", f"{kind}: recovery, longest", k["recovery_max_s"], "s", name, None, None,
+                  f"{k['count']} fault{'s' if k['count'] > 1 else ''}, {k['unrecovered']} not recovered")
+    for comp in ("router", "rendezvous"):
+        rss = h.get(f"{comp}_rss_kib") or {}
+        if rss.get("first") and rss.get("last"):
+            yield Row("soak", f"{comp} RSS, end / start", round(rss["last"] / rss["first"], 3), "x", name, None,
+                      None, f"{rss['first'] // 1024} to {rss['last'] // 1024} MiB, at most {rss['max'] // 1024}")
+
+
+def _emulator_fit(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """The engine emulator against the real engines it emulates (issue 35): TTFT and TPOT p50, emulator / real, at
+    every rate of the ramp (judged where the real pair sustains the rate), and the saturation throughputs."""
+    h, cfg = d["headline"], d.get("config", {})
+    runs = cfg.get("runs", 1)
+    for rate, e in sorted(h.get("per_rate", {}).items(), key=lambda kv: float(kv[0])):
+        judged = e.get("below_saturation", False)
+        for metric in ("ttft", "tpot"):
+            m = e[metric]
+            yield Row("emulator_fit", f"emulator / real {metric.upper()} p50, {cfg.get('prompt_tokens')}tok@{rate}/s",
+                      m.get("ratio"), "x", name, _ci(m.get("ci90")), Goal("±", 0.15, "issue 35") if judged else None,
+                      f"{m['n'][1]} real, {m['n'][0]} emulated requests over {runs} runs"
+                      + ("" if judged else "; past the real pair's saturation"))
+    sat = h.get("saturation_rps", {})
+    ramp = f"ramp {cfg.get('rates')} req/s x {cfg.get('requests_per_step')} requests, {runs} runs"
+    for arm in ("real", "emulator"):
+        if arm in sat:
+            yield Row("emulator_fit", f"{arm}: saturation throughput", sat[arm]["mean"], "req/s", name, None, None,
+                      f"mean of {sat[arm]['per_run']}")
+    if h.get("saturation_ratio") is not None:
+        yield Row("emulator_fit", "emulator / real saturation throughput", h["saturation_ratio"], "x", name, None,
+                  Goal("±", 0.15, "issue 35"), ramp)
+
+
+def _emulator_calibration(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """How well the fitted step model reproduces the measured steps it was fitted to."""
+    errors = [abs(r["error"]) for r in d["fit"]["residuals"]]
+    if errors:
+        yield Row("emulator_calibration", "step model: largest error on the measured steps",
+                  round(max(errors), 3), "x", name, None, None,
+                  f"{len(d['prefill'])} prefill lengths, {len(d['decode'])} decode batches; median "
+                  f"{statistics.median(errors):.3f}")
+
+
+def _emulator_footprint(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    h, cfg = d["headline"], d.get("config", {})
+    n = f"{cfg.get('emulators')} emulators"
+    yield Row("emulator_footprint", "emulator RSS, largest", h["rss_mib_at_end"]["max"], "MiB", name, None, None, n)
+    yield Row("emulator_footprint", "emulator CPU idle, largest", h["idle_millicores"]["max"], "millicores", name,
+              None, None, n)
+    yield Row("emulator_footprint", "emulator CPU busy, mean", h["busy_millicores"]["mean"], "millicores", name,
+              None, None, f"{n}, {cfg.get('rate_per_pair')} req/s per pair")
+
+
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
+    "emulator_fit": _emulator_fit, "emulator_calibration": _emulator_calibration,
+    "emulator_footprint": _emulator_footprint,
     "pd_serving": _pd_serving, "cold_pair": _cold_pair, "cluster_path": _cluster_path,
     "operator_scale": _operator_scale, "rollout": _rollout, "capacity": _capacity, "router_stubs": _router_stubs,
-    "kv_write": _kv_write,
+    "kv_write": _kv_write, "abort_storm": _abort_storm, "soak": _soak,
 }
 
 

@@ -183,13 +183,20 @@ async def verify(session: aiohttp.ClientSession, url: str, i: int, ref: Referenc
 async def _abort(session: aiohttp.ClientSession, url: str, rng: random.Random, lengths: tuple[int, int],
                  typical_ttft: float, report: StormReport, go_away: bool) -> None:
     """One request whose client goes away: at a moment drawn from four kinds, so that every phase of a request is
-    hit in a run of a few dozen. Not `go_away`: the same request, whose client waits for the end (the control)."""
+    hit in a run of a few dozen. Not `go_away` (the control): the same request asks for as many tokens as its
+    client would have waited for (one, when it would have gone before the first), and gets them all: about the
+    same work, finished instead of abandoned."""
     kind = rng.choice(["at once", "prefill", "handoff", "stream"])
     after = {"at once": rng.uniform(0, 0.02), "prefill": rng.uniform(0.02, max(0.03, typical_ttft * 0.8)),
              "handoff": typical_ttft * rng.uniform(0.8, 1.3), "stream": float("inf")}[kind]
     stop_at = rng.randint(1, 6) if kind == "stream" else None
     body = {"model": "tiny", "prompt": _random_prompt(rng, lengths), "max_tokens": rng.randint(12, 48),
             "temperature": 0, "ignore_eos": True, "stream": True}
+    if not go_away:
+        body["max_tokens"] = stop_at or 1
+        status, _, _, ttft = await _stream(session, url + PATHS["completions"], body)
+        report.kept.append((status, ttft))
+        return
     got = Aborted(after, 0, None)
     gone = asyncio.Event()
 
@@ -200,10 +207,6 @@ async def _abort(session: aiohttp.ClientSession, url: str, rng: random.Random, l
 
     t0 = time.monotonic()
     task = asyncio.create_task(_stream(session, url + PATHS["completions"], body, on_chunk))
-    if not go_away:
-        status, _, _, ttft = await task
-        report.kept.append((status, ttft))
-        return
     waiter = asyncio.create_task(gone.wait())
     done, _ = await asyncio.wait({task, waiter}, timeout=None if after == float("inf") else after,
                                  return_when=asyncio.FIRST_COMPLETED)
@@ -217,8 +220,10 @@ async def _abort(session: aiohttp.ClientSession, url: str, rng: random.Random, l
     report.aborted.append(got)
 
 
-async def _background(session: aiohttp.ClientSession, url: str, rng: random.Random, lengths: tuple[int, int],
-                      report: StormReport) -> None:
+async def background(session: aiohttp.ClientSession, url: str, rng: random.Random, lengths: tuple[int, int],
+                     report: StormReport) -> None:
+    """One background request: a random prompt of a length in `lengths`, streamed to its end; its outcome goes to
+    `report.background`."""
     body = {"model": "tiny", "prompt": _random_prompt(rng, lengths), "max_tokens": rng.randint(8, 48),
             "temperature": 0, "ignore_eos": True, "stream": True}
     try:
@@ -275,7 +280,7 @@ async def storm(url: str, references: list[Reference], *, seconds: float, abort_
 
         await asyncio.gather(
             arrivals(abort_rate, lambda r: _abort(session, url, r, prompt_lengths, typical_ttft, report, go_away)),
-            arrivals(background_rate, lambda r: _background(session, url, r, prompt_lengths, report)),
+            arrivals(background_rate, lambda r: background(session, url, r, prompt_lengths, report)),
             verification() if verify_rate is None else arrivals(verify_rate, one_verification))
         while tasks:
             await asyncio.gather(*list(tasks), return_exceptions=True)
