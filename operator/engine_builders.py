@@ -14,7 +14,7 @@ from disagg.connector.wire.kv_transfer import kv_transfer_config as render_kv_tr
 
 from . import names
 from .api import DisaggregatedInference, DisaggregatedInferenceSpec, RoleSpec, ranks_per_pod
-from .launch_script import ENGINE_ID_PLACEHOLDER, render_launch_script
+from .launch_script import ENGINE_ID_PLACEHOLDER, render_emulator_script, render_launch_script
 from .merge import deep_merge
 from .meta import OperatorImages, cr_name, http_probe, namespace_of, object_meta
 from .profiles import EFA
@@ -37,6 +37,12 @@ ZONE_KEY = "topology.kubernetes.io/zone"
 HOST_KEY = "kubernetes.io/hostname"
 NETWORK_LAYER_KEY = "topology.k8s.aws/network-node-layer-3"
 PROBE_PERIOD = 10
+EMULATOR_LABEL = "serving.disagg.io/engine"
+"""On engine EMULATOR pods, value `emulator`: `kubectl get pods -L serving.disagg.io/engine` tells them from vLLM."""
+EMULATOR_RESOURCES = {"requests": {"cpu": "25m", "memory": "80Mi"}, "limits": {"memory": "256Mi"}}
+"""An engine emulator's pod: measured idle and busy (bench/emulator_footprint.py); no cpu limit, as for engines."""
+EMULATOR_KV_EVENT_PORTS = (("kv-events", 5557), ("kv-replay", 5558))
+EMULATOR_STARTUP_SECONDS = 120
 
 _UNITS = {"Ki": 1, "Mi": 1024, "Gi": 1024 ** 2, "Ti": 1024 ** 3}
 
@@ -82,9 +88,29 @@ def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str,
                                      if spec.kv_transfer.mode == "push" else None)
 
 
+def emulator_args(spec: DisaggregatedInferenceSpec, role_name: str) -> list[str]:
+    """`disagg emulator` arguments (connector/emulator/flags.py); its identity comes from the same env as an
+    engine's."""
+    emulator = spec.engine.emulator
+    assert emulator is not None
+    role_spec(spec, role_name)
+    args = ["--profile", emulator.profile, "--role", role_name, "--kv-mode", spec.kv_transfer.mode,
+            "--port", str(spec.engine.port), "--side-channel-port", str(spec.kv_transfer.side_channel_port),
+            "--served-model-name", spec.served_name, "--block-size", str(spec.engine.block_size)]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    if emulator.kv_cache_blocks is not None:
+        args += ["--kv-cache-blocks", str(emulator.kv_cache_blocks)]
+    args += ["--registration-timeout", str(spec.kv_transfer.registration_timeout_seconds),
+             "--lease-seconds", str(spec.kv_transfer.lease_seconds), "--drain-seconds", str(spec.engine.drain_seconds)]
+    return args
+
+
 def engine_args(spec: DisaggregatedInferenceSpec, role_name: str) -> list[str]:
-    """vLLM OpenAI server arguments. The engine id in --kv-transfer-config is ENGINE_ID_PLACEHOLDER; the launch
-    script replaces it with $DISAGG_ENGINE_ID at runtime."""
+    """vLLM OpenAI server arguments (the emulator's, for an emulated spec). The engine id in --kv-transfer-config
+    is ENGINE_ID_PLACEHOLDER; the launch script replaces it with $DISAGG_ENGINE_ID at runtime."""
+    if spec.emulated:
+        return emulator_args(spec, role_name)
     role = role_spec(spec, role_name)
     args = ["--model", model_path(spec), "--served-model-name", spec.served_name, "--port", str(spec.engine.port),
             "--tensor-parallel-size", str(role.tensor_parallel_size),
@@ -107,6 +133,8 @@ def _kib(quantity: str) -> int:
 
 
 def launch_script(spec: DisaggregatedInferenceSpec, role_name: str) -> str:
+    if spec.emulated:
+        return render_emulator_script(role=role_name, args=engine_args(spec, role_name))
     efa = spec.efa_for(role_spec(spec, role_name)) > 0
     # Half the configured size: catches the 64 MiB container-runtime default (volume missing or overlaid
     # away) without failing on how the kubelet rounds or caps the tmpfs.
@@ -161,11 +189,13 @@ def engine_rendezvous_auth_env(cr: DisaggregatedInference) -> dict[str, Any]:
 def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any]]:
     spec, name = cr.spec, cr_name(cr)
     role = role_spec(spec, role_name)
-    env = [_env(k, v) for k, v in spec.profile.engine_env.items()]
-    if spec.efa_for(role) > 0:
-        env += [_env(k, v) for k, v in spec.profile.env.items()]
-    if spec.profile.cpu_only:
-        env.append(_env("VLLM_CPU_KVCACHE_SPACE", spec.cpu_kv_cache_gib))
+    env: list[dict[str, Any]] = []
+    if not spec.emulated:  # vLLM's and NIXL's own settings: an emulator reads none of them
+        env += [_env(k, v) for k, v in spec.profile.engine_env.items()]
+        if spec.efa_for(role) > 0:
+            env += [_env(k, v) for k, v in spec.profile.env.items()]
+        if spec.profile.cpu_only:
+            env.append(_env("VLLM_CPU_KVCACHE_SPACE", spec.cpu_kv_cache_gib))
     env += [
         _field_env(wire_env.POD_NAME, "metadata.name"),
         _field_env(wire_env.POD_UID, "metadata.uid"),
@@ -187,7 +217,7 @@ def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any
     if spec.uses_plugin:
         env.append(_env("PYTHONPATH", PLUGIN_DIR))  # the init container's copy of disagg.connector
     hub = spec.model.source.hub
-    if spec.model.source.pvc is None:
+    if spec.model.source.pvc is None and not spec.emulated:
         env.append(_env("HF_HOME", HF_CACHE_DIR))
         if hub is not None and hub.token_secret is not None:
             env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
@@ -200,21 +230,26 @@ def engine_resources(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[s
     """Profile defaults (cpu/memory per device, devices, EFA, hugepages; cpu profile: plus the KV cache in
     memory), then role.resources per key."""
     role, profile = role_spec(spec, role_name), spec.profile
-    devices = profile.devices_for(ranks_per_pod(role))
-    memory_gi = profile.memory_gi_per_device * devices + (spec.cpu_kv_cache_gib if profile.cpu_only else 0)
-    memory, cpu = f"{memory_gi}Gi", str(profile.cpu_per_device * devices)
-    # No cpu limit: CFS throttling. On CPU engines worse still: vLLM runs one OMP thread per core it binds (all
-    # of the shared pool without the static CPU manager), so a quota would throttle the model's own threads. A
-    # role that sets limits.cpu equal to an integer requests.cpu gets a Guaranteed pod and, under the static CPU
-    # manager, exclusive cores (see plugin_install_resources).
-    requests = {"cpu": cpu, "memory": memory}
-    limits = {"memory": memory}
-    if profile.accelerator_resource is not None:
-        requests[profile.accelerator_resource] = limits[profile.accelerator_resource] = str(devices)
-    efa = spec.efa_for(role)
-    if efa > 0:
-        requests[EFA] = limits[EFA] = str(efa)
-        requests[HUGEPAGES] = limits[HUGEPAGES] = profile.hugepages_2mi
+    if spec.emulated:
+        # An emulator computes nothing: no device, EFA or hugepages, and a share of a core that lets dozens of
+        # them share a node.
+        requests, limits = dict(EMULATOR_RESOURCES["requests"]), dict(EMULATOR_RESOURCES["limits"])
+    else:
+        devices = profile.devices_for(ranks_per_pod(role))
+        memory_gi = profile.memory_gi_per_device * devices + (spec.cpu_kv_cache_gib if profile.cpu_only else 0)
+        memory, cpu = f"{memory_gi}Gi", str(profile.cpu_per_device * devices)
+        # No cpu limit: CFS throttling. On CPU engines worse still: vLLM runs one OMP thread per core it binds (all
+        # of the shared pool without the static CPU manager), so a quota would throttle the model's own threads. A
+        # role that sets limits.cpu equal to an integer requests.cpu gets a Guaranteed pod and, under the static
+        # CPU manager, exclusive cores (see plugin_install_resources).
+        requests = {"cpu": cpu, "memory": memory}
+        limits = {"memory": memory}
+        if profile.accelerator_resource is not None:
+            requests[profile.accelerator_resource] = limits[profile.accelerator_resource] = str(devices)
+        efa = spec.efa_for(role)
+        if efa > 0:
+            requests[EFA] = limits[EFA] = str(efa)
+            requests[HUGEPAGES] = limits[HUGEPAGES] = profile.hugepages_2mi
     # Keys whose request equals the limit (devices, EFA, hugepages, memory) must stay equal: an override on
     # one side applies to both unless the user sets both.
     paired = {k for k, v in requests.items() if limits.get(k) == v}
@@ -234,7 +269,9 @@ def engine_resources(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[s
 def engine_security_context(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[str, Any]:
     # The per-profile choice and its reasons live in profiles.py: NVIDIA needs privileged for fi_mr_reg of GPU
     # memory over EFA; everything else (Trainium, or no EFA) only pins host memory, which IPC_LOCK allows; CPU
-    # engines (UCX over TCP) pin nothing.
+    # engines (UCX over TCP) pin nothing; nor does an emulator.
+    if spec.emulated:
+        return {"allowPrivilegeEscalation": False}
     if spec.profile.privileged and spec.efa_for(role_spec(spec, role_name)) > 0:
         return {"privileged": True}
     if spec.profile.capabilities:
@@ -270,14 +307,13 @@ def engine_affinity(cr: DisaggregatedInference, role_name: str) -> dict[str, Any
 def _volumes(cr: DisaggregatedInference, revision: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     spec = cr.spec
     volumes: list[dict[str, Any]] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.profile.shm_size}},
         {"name": "launch", "configMap": {"name": names.launch_configmap_name(cr_name(cr), revision),
                                          "defaultMode": 0o755}},
     ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "dshm", "mountPath": SHM_DIR},
-        {"name": "launch", "mountPath": LAUNCH_DIR, "readOnly": True},
-    ]
+    mounts: list[dict[str, Any]] = [{"name": "launch", "mountPath": LAUNCH_DIR, "readOnly": True}]
+    if not spec.emulated:
+        volumes.insert(0, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.profile.shm_size}})
+        mounts.insert(0, {"name": "dshm", "mountPath": SHM_DIR})
     if spec.uses_plugin:
         volumes.append({"name": PLUGIN_VOLUME, "emptyDir": {}})
         mounts.append({"name": PLUGIN_VOLUME, "mountPath": PLUGIN_DIR, "readOnly": True})
@@ -289,6 +325,8 @@ def _volumes(cr: DisaggregatedInference, revision: str) -> tuple[list[dict[str, 
             "path": names.RENDEZVOUS_TOKEN_PATH}}]}})
         mounts.append({"name": RENDEZVOUS_TOKEN_VOLUME, "mountPath": names.RENDEZVOUS_TOKEN_DIR, "readOnly": True})
     pvc = spec.model.source.pvc
+    if spec.emulated:
+        return volumes, mounts  # no weights
     if pvc is not None:
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
         mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
@@ -302,6 +340,8 @@ def _container_ports(spec: DisaggregatedInferenceSpec, role: RoleSpec) -> list[d
     ports = [{"name": "http", "containerPort": spec.engine.port, "protocol": "TCP"}]
     ports += [{"name": f"nixl-{i}", "containerPort": p, "protocol": "TCP"}
               for i, p in enumerate(side_channel_ports(spec, role))]
+    if spec.emulated:
+        ports += [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in EMULATOR_KV_EVENT_PORTS]
     return ports
 
 
@@ -347,7 +387,7 @@ def pinned_revision(cr: DisaggregatedInference, images: OperatorImages,
       them; with several matches the one this operator renders wins, then the newest.
     Pure; costs one rendering of both templates, plus one per running revision whose plugin image differs."""
     own = engine_revision(cr, images)
-    if not cr.spec.uses_plugin:
+    if not (cr.spec.uses_plugin or cr.spec.emulated):  # the engines run nothing of the operator's image
         return Pinned(own, images)
     running = list(running)
     if any(name == own for name, _ in running):
@@ -362,8 +402,13 @@ def pinned_revision(cr: DisaggregatedInference, images: OperatorImages,
 
 
 def plugin_image_of(statefulset: Mapping[str, Any]) -> str | None:
-    """The image of a StatefulSet's plugin init container, None when it has none."""
-    pod_spec = ((statefulset.get("spec") or {}).get("template") or {}).get("spec") or {}
+    """The operator image a StatefulSet's engines run: its plugin init container's, or an emulator's own; None
+    when it has neither."""
+    template = (statefulset.get("spec") or {}).get("template") or {}
+    pod_spec = template.get("spec") or {}
+    if ((template.get("metadata") or {}).get("labels") or {}).get(EMULATOR_LABEL) == "emulator":
+        return next((str(c["image"]) for c in pod_spec.get("containers") or []
+                     if c.get("name") == ENGINE_CONTAINER and c.get("image")), None)
     return next((str(c["image"]) for c in pod_spec.get("initContainers") or []
                  if c.get("name") == PLUGIN_CONTAINER and c.get("image")), None)
 
@@ -378,17 +423,20 @@ def _pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorIm
     spec, name = cr.spec, cr_name(cr)
     role, profile = role_spec(spec, role_name), spec.profile
     volumes, mounts = _volumes(cr, revision or _UNNAMED_REVISION)
-    startup_failures = -(-profile.startup_seconds // PROBE_PERIOD)
+    # An emulator serves within a second or two, so probe it every second; an engine loads (or compiles) a model.
+    startup_period = 1 if spec.emulated else PROBE_PERIOD
+    startup_failures = -(-(EMULATOR_STARTUP_SECONDS if spec.emulated else profile.startup_seconds) // startup_period)
     engine = {
         "name": ENGINE_CONTAINER,
-        "image": spec.engine.image,
+        # An emulator runs the operator's image, pinned per revision like the plugin's (pinned_revision).
+        "image": images.plugin_image if spec.emulated else spec.engine.image,
         "command": ["/bin/sh", f"{LAUNCH_DIR}/{names.launch_script_key(role_name)}"],
         "ports": _container_ports(spec, role),
         "env": engine_env(cr, role_name),
         "resources": engine_resources(spec, role_name),
         "securityContext": engine_security_context(spec, role_name),
         "volumeMounts": mounts,
-        "startupProbe": http_probe("/health", "http", period=PROBE_PERIOD, failures=startup_failures),
+        "startupProbe": http_probe("/health", "http", period=startup_period, failures=startup_failures),
         "readinessProbe": http_probe("/health", "http", period=5, failures=3),
         # Generous: a liveness restart throws away a loaded (or compiled) model.
         "livenessProbe": http_probe("/health", "http", period=PROBE_PERIOD, failures=6, timeout=10),
@@ -430,8 +478,11 @@ def _pod_template(cr: DisaggregatedInference, role_name: str, images: OperatorIm
     annotations = {LAUNCH_HASH_ANNOTATION: hashlib.sha256(script.encode()).hexdigest()[:16]}
     if spec.engine.restarted_at is not None:  # absent when unset: a CR that never asked keeps its revision
         annotations[RESTARTED_AT_ANNOTATION] = spec.engine.restarted_at
+    labels = names.labels(name, role_name)
+    if spec.emulated:
+        labels[EMULATOR_LABEL] = "emulator"
     template: dict[str, Any] = {
-        "metadata": {"labels": names.labels(name, role_name), "annotations": annotations},
+        "metadata": {"labels": labels, "annotations": annotations},
         "spec": pod_spec,
     }
     if role.pod_template:

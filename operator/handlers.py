@@ -336,7 +336,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
                 if outcome.updated:
                     post_event(memo, kopf.info, body, "Updated", "updated " + ", ".join(outcome.updated))
         report: TransportReport | None = None
-        if cr.spec.uses_plugin:
+        if cr.spec.advertises:
             transports.request(key)  # in the background, when the cached answer is old or missing
             report = transports.report(key)
         # Every pass, status passes too: engines becoming Ready or leaving are what move a rollout on.
@@ -367,7 +367,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         # Read the rendezvous again now, not at the next poll, when it lags the pods: its answer, if it changed,
         # triggers a status pass (transport_changed), which is also what moves a rollout waiting for engines.
         behind = transport_behind(observed.prefill.ready + observed.decode.ready, report)
-        if cr.spec.uses_plugin and (behind or (rollout is not None and rollout.unlisted)):
+        if cr.spec.advertises and (behind or (rollout is not None and rollout.unlisted)):
             transports.request(key, force=True)
         status = await reconciler.publish_status(cr, observed)
         event = reconciler.transport_event(key, cr.status, status) if status is not None else None
@@ -593,7 +593,7 @@ async def poll_transports_forever(memo: kopf.Memo, interval: float) -> None:
             transports.forget(key)
         for key, store in list(indexes["dinf_index"].items()):
             entry: IndexedCR | None = next(iter(store), None)
-            if entry is None or entry.cr is None or not entry.cr.spec.uses_plugin:
+            if entry is None or entry.cr is None or not entry.cr.spec.advertises:
                 continue  # unparsable, or a vendor connector: its engines never report a transport
             transports.request(key, force=True)
 

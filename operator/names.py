@@ -155,8 +155,10 @@ def router_url(cr: str, namespace: str, port: int) -> str:
 
 def layout_key(spec: DisaggregatedInferenceSpec) -> str:
     """16 hex chars identifying everything paired engines must agree on; the router pairs only equal keys."""
-    material = [spec.model.name, spec.model.dtype, spec.engine.block_size, spec.kv_transfer.mode, spec.connector,
-                spec.engine.image]
+    material: list[object] = [spec.model.name, spec.model.dtype, spec.engine.block_size, spec.kv_transfer.mode,
+                              spec.connector, spec.engine.image]
+    if spec.engine.emulator is not None:  # never paired with real engines (and no change to a real CR's key)
+        material.append(["emulator", spec.engine.emulator.profile])
     return hashlib.sha256(json.dumps(material, separators=(",", ":")).encode()).hexdigest()[:16]
 
 

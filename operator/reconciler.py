@@ -245,7 +245,7 @@ class Reconciler:
         pinned = self.revision(cr, statefulsets)
         revision = pinned.revision
         advertised: dict[str, str] | None = None
-        if cr.spec.uses_plugin:
+        if cr.spec.advertises:
             advertised = {} if report is None or report.error else {
                 e.engine: e.pod_uid for e in report.engines if e.pod_uid}
         policy = revisions.policy(cr.spec)

@@ -305,7 +305,7 @@ def transport_verdict(spec: DisaggregatedInferenceSpec, report: TransportReport 
     that also runs another backend may move KV over that one. Any mismatch makes the condition False; else
     any engine not reporting yet makes it Unknown; True needs at least one engine, all matching."""
     expected = spec.backend
-    if not spec.uses_plugin:
+    if not spec.advertises:
         return ("Unknown", "PluginNotUsed", f"connector {spec.connector} is not one the disagg plugin wraps, so its "
                 "engines do not report their transport")
     if report is None:

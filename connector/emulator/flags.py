@@ -23,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--side-channel-port", type=int, default=None,
                    help=f"the emulated KV side channel's port (default ${wire_env.SIDE_CHANNEL_PORT}, else 5600)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: the profile's)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens instead of the profile's (its KV capacity in tokens stays)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length instead of the profile's")
     p.add_argument("--kv-cache-blocks", type=int, default=None,
                    help="KV cache capacity in blocks instead of the profile's (to make the prefix cache evict)")
     p.add_argument("--registration-timeout", type=float, default=60.0,

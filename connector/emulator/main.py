@@ -46,11 +46,23 @@ class Identity:
 
 
 def profile_for(args: argparse.Namespace) -> EmulatorProfile:
+    """The profile with the flags' overrides, validated again (a request of max_model_len must still fit the KV
+    cache). A new block size keeps the KV capacity in tokens; --kv-cache-blocks sets it in blocks."""
     profile = PROFILES[args.profile]
+    changes: dict[str, int] = {}
+    if args.block_size is not None:
+        changes["block_size"] = args.block_size
+        changes["num_blocks"] = profile.kv_cache_tokens // args.block_size
+    if args.max_model_len is not None:
+        changes["max_model_len"] = args.max_model_len
     if args.kv_cache_blocks is not None:
-        # Validated again: the capacity must still hold a request of max_model_len.
-        profile = EmulatorProfile.model_validate({**profile.model_dump(), "num_blocks": args.kv_cache_blocks})
-    return profile
+        changes["num_blocks"] = args.kv_cache_blocks
+    if not changes:
+        return profile
+    try:
+        return EmulatorProfile.model_validate({**profile.model_dump(), **changes})
+    except ValueError as e:
+        raise SystemExit(f"disagg emulator: {e}") from None
 
 
 def identity(args: argparse.Namespace, profile: EmulatorProfile, env: Mapping[str, str]) -> Identity:
