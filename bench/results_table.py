@@ -391,9 +391,9 @@ def _emulator_calibration(name: str, d: dict[str, Any]) -> Iterator[Row]:
     errors = [abs(r["error"]) for r in d["fit"]["residuals"]]
     if errors:
         yield Row("emulator_calibration", "step model: largest error on the measured steps",
-                  round(max(errors), 3), "x", name, None, None,
+                  round(100 * max(errors), 1), "%", name, None, None,
                   f"{len(d['prefill'])} prefill lengths, {len(d['decode'])} decode batches; median "
-                  f"{statistics.median(errors):.3f}")
+                  f"{100 * statistics.median(errors):.1f}%")
 
 
 def _emulator_footprint(name: str, d: dict[str, Any]) -> Iterator[Row]:

@@ -212,8 +212,7 @@ class EmulatedEngine:
             begun = [(s, by_id[s.id]) for s in plan.scheduled]
             for s, req in begun:
                 events += self._begin(s, req, start)
-            prompts = {s.id: len(req.prompt) for s, req in begun}
-            cost = step_seconds(plan, self.profile.step, prompts)
+            cost = step_seconds(plan, self.profile.step)
             if cost > 0:
                 await asyncio.sleep(max(0.0, start + cost - loop.time()))
             now = loop.time()

@@ -2,12 +2,13 @@
 
 A step of a continuous-batching engine costs (`scheduler.step_seconds`):
 
-    fixed + per_token x tokens computed + per_sequence x sequences in the step
+    fixed + per_prefill_token x prompt tokens computed + per_sequence x sequences in the step
           + per_kv_token x KV tokens the step's sequences read + per_attention_pair x (query, key) pairs
 
-The first three are the weights' and the scheduler's share; the KV term is attention reading each sequence's
-context (what makes a decode step slower as contexts grow); the pair term is a prefill chunk's attention
-compute, which grows with the square of its length. A KV handoff between a prefill and a decode emulator costs
+The fixed part is what every step pays (reading the weights once, the scheduler); a prefill chunk pays for each
+of its tokens, a decoding sequence for its one token and its sampling (per sequence); the KV term is attention
+reading each sequence's context (what makes a decode step slower as contexts grow); the pair term is a prefill
+chunk's attention compute, which grows with the square of its length. A KV handoff between a prefill and a decode emulator costs
 `transfer.fixed + transfer.per_token x tokens`.
 
 Two profiles, named in `disagg.connector.wire.emulator.PROFILES`:
@@ -32,10 +33,10 @@ class StepCosts(Params):
 
     fixed_s: float = Field(ge=0)
     """Every step: reading the weights once (decode is memory-bound), the scheduler, sampling's fixed part."""
-    per_token_s: float = Field(ge=0)
-    """Each token the step computes (a prefill chunk's tokens, each decode's one token): the dense layers."""
+    per_prefill_token_s: float = Field(ge=0)
+    """Each prompt token a prefill chunk computes (a recomputed sequence's tokens too): the dense layers."""
     per_sequence_s: float = Field(ge=0)
-    """Each sequence in the step: its sampling, its output's handling."""
+    """Each sequence in the step: a decode's one token through the dense layers, its sampling and output."""
     per_kv_token_s: float = Field(ge=0)
     """Each KV token a sequence of the step attends over (a decode: its whole context; a prefill chunk: the
     context up to the chunk's end), read once per step."""
@@ -117,9 +118,13 @@ CPU_KV64K = EmulatorProfile(
     kv_bytes_per_token=64 * 1024,
     bytes_per_token=1,
     vocab_size=512,
-    api_latency_s=0.004,
-    step=StepCosts(fixed_s=0.012, per_token_s=0.00024, per_sequence_s=0.004, per_kv_token_s=1.0e-6),
-    transfer=TransferCosts(fixed_s=0.006, per_token_s=4.0e-6),
+    # Fitted on 2026-12-06 by `bench/emulator_fit.py calibrate` (bench/results/emulator_calibration.json, whose
+    # "fit" these round to 3 digits; tests/unit/test_emulator_profiles.py holds them equal). This bed's CPU has no
+    # AVX-512: a token costs its engine ~7 ms whether it is prefilled or decoded.
+    api_latency_s=0.00387,
+    step=StepCosts(fixed_s=0.0209, per_prefill_token_s=0.00733, per_sequence_s=0.00598, per_kv_token_s=1.14e-5,
+                   per_attention_pair_s=1.27e-6),
+    transfer=TransferCosts(fixed_s=0.00234, per_token_s=3.42e-5),
 )
 
 # Qwen3-32B (its config.json): 64 layers, hidden 5120, 64 query and 8 KV heads of dim 128, 32.8e9 parameters.
@@ -160,7 +165,8 @@ QWEN3_32B_TP4_P5EN = EmulatorProfile(
     api_latency_s=0.002,
     step=StepCosts(
         fixed_s=_QWEN_WEIGHT_BYTES / _H200_BYTES_PER_S + 0.0005,  # the weights once, plus TP all-reduce launches
-        per_token_s=_QWEN_FLOPS_PER_TOKEN / _H200_FLOPS,
+        per_prefill_token_s=_QWEN_FLOPS_PER_TOKEN / _H200_FLOPS,
+        # A decode token's matmuls are hidden in the weights' read (the fixed part); left: sampling, the output.
         per_sequence_s=20e-6,
         per_kv_token_s=_QWEN_KV_BYTES_PER_TOKEN / _H200_BYTES_PER_S,
         per_attention_pair_s=_QWEN_PAIR_FLOPS / _H200_FLOPS,

@@ -133,21 +133,22 @@ def plan_step(running: Sequence[SeqView], waiting: Iterable[SeqView], free_block
     return StepPlan(tuple(scheduled), ())
 
 
-def step_seconds(plan: StepPlan, costs: StepCosts, prompt_tokens: dict[str, int]) -> float:
-    """What the step costs. `prompt_tokens`: each scheduled sequence's prompt length, to tell its prefill tokens
-    (whose attention is the quadratic pair term) from its decode token. A step that computes nothing costs 0."""
-    tokens = seqs = kv = pairs = 0
+def step_seconds(plan: StepPlan, costs: StepCosts) -> float:
+    """What the step costs. A sequence that computes one token is decoding (per sequence: an output token, or the
+    last prompt token a P/D decode computes again after its KV landed, which costs as much); one that computes more
+    runs a prefill chunk (per prefill token and attention pair; a recompute after preemption is one too). A step
+    that computes nothing costs 0."""
+    prefill = seqs = kv = pairs = 0
     for s in plan.scheduled:
         if not s.tokens:
             continue
-        tokens += s.tokens
         seqs += 1
         kv += s.start + s.tokens
-        prompt_end = min(s.start + s.tokens, prompt_tokens.get(s.id, 0))
-        if prompt_end > s.start:
-            n = prompt_end - s.start
-            pairs += n * s.start + n * (n + 1) // 2
-    if not tokens:
+        if s.tokens == 1:
+            continue
+        prefill += s.tokens
+        pairs += s.tokens * s.start + s.tokens * (s.tokens + 1) // 2
+    if not seqs:
         return 0.0
-    return (costs.fixed_s + costs.per_token_s * tokens + costs.per_sequence_s * seqs + costs.per_kv_token_s * kv
-            + costs.per_attention_pair_s * pairs)
+    return (costs.fixed_s + costs.per_prefill_token_s * prefill + costs.per_sequence_s * seqs
+            + costs.per_kv_token_s * kv + costs.per_attention_pair_s * pairs)

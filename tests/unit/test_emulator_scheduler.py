@@ -69,35 +69,36 @@ def test_a_pd_decode_holds_its_whole_prompt_at_once_and_computes_nothing_until_i
     landed = SeqView("l", "remote_ready", 40, 39, 3, prompt_tokens=40)
     plan = plan_step([], [waiting_kv, remote, landed], 10, P)
     assert plan.scheduled == (Scheduled("r", 0, 0, 3, admitted=True), Scheduled("l", 39, 1, 0))
-    assert step_seconds(plan, P.step, {"r": 40, "l": 40}) == pytest.approx(
-        P.step.fixed_s + P.step.per_token_s + P.step.per_sequence_s + 40 * P.step.per_kv_token_s
-        + 40 * P.step.per_attention_pair_s)
+    # The landed one's last prompt token costs a decode step's share: its sequence and its context.
+    assert step_seconds(plan, P.step) == pytest.approx(
+        P.step.fixed_s + P.step.per_sequence_s + 40 * P.step.per_kv_token_s)
 
 
-COSTS = StepCosts(fixed_s=0.01, per_token_s=0.001, per_sequence_s=0.002, per_kv_token_s=1e-5,
+COSTS = StepCosts(fixed_s=0.01, per_prefill_token_s=0.001, per_sequence_s=0.002, per_kv_token_s=1e-5,
                   per_attention_pair_s=1e-7)
 
 
-@pytest.mark.parametrize(("scheduled", "prompts", "expected"), [
-    ((), {}, 0.0),
+@pytest.mark.parametrize(("scheduled", "expected"), [
+    ((), 0.0),
     # A remote admission computes nothing: no step.
-    ((Scheduled("r", 0, 0, 3, admitted=True),), {"r": 40}, 0.0),
-    # A 100-token prefill: 100 tokens, one sequence, 100 KV tokens, 100*101/2 pairs.
-    ((Scheduled("p", 0, 100, 7),), {"p": 100}, 0.01 + 0.1 + 0.002 + 1e-3 + 5050e-7),
+    ((Scheduled("r", 0, 0, 3, admitted=True),), 0.0),
+    # A 100-token prefill: 100 prefill tokens, one sequence, 100 KV tokens, 100*101/2 pairs.
+    ((Scheduled("p", 0, 100, 7),), 0.01 + 0.1 + 0.002 + 1e-3 + 5050e-7),
     # Its second chunk attends over the first too.
-    ((Scheduled("p", 64, 36, 3),), {"p": 100}, 0.01 + 0.036 + 0.002 + 100e-5 + (36 * 64 + 36 * 37 / 2) * 1e-7),
-    # Two decodes at contexts 300 and 100: no pair term.
-    ((Scheduled("a", 300, 1, 0), Scheduled("b", 100, 1, 0)), {"a": 50, "b": 50}, 0.01 + 0.002 + 0.004 + 402e-5),
+    ((Scheduled("p", 64, 36, 3),), 0.01 + 0.036 + 0.002 + 100e-5 + (36 * 64 + 36 * 37 / 2) * 1e-7),
+    # Two decodes at contexts 300 and 100: a sequence each and their KV, no prefill token, no pair.
+    ((Scheduled("a", 300, 1, 0), Scheduled("b", 100, 1, 0)), 0.01 + 0.004 + 402e-5),
+    # A decode beside a prefill chunk: one step pays both.
+    ((Scheduled("a", 300, 1, 0), Scheduled("p", 0, 10, 1)), 0.01 + 0.01 + 0.004 + 311e-5 + 55e-7),
 ])
-def test_a_step_costs_its_fixed_part_and_each_term(scheduled, prompts, expected):
-    assert step_seconds(StepPlan(scheduled, ()), COSTS, prompts) == pytest.approx(expected)
+def test_a_step_costs_its_fixed_part_and_each_term(scheduled, expected):
+    assert step_seconds(StepPlan(scheduled, ()), COSTS) == pytest.approx(expected)
 
 
 def test_a_step_costs_more_with_every_sequence_and_every_context_token():
-    base = step_seconds(StepPlan((Scheduled("a", 100, 1, 0),), ()), COSTS, {"a": 10})
-    more_seqs = step_seconds(StepPlan((Scheduled("a", 100, 1, 0), Scheduled("b", 1, 1, 0)), ()), COSTS,
-                             {"a": 10, "b": 1})
-    longer = step_seconds(StepPlan((Scheduled("a", 200, 1, 0),), ()), COSTS, {"a": 10})
+    base = step_seconds(StepPlan((Scheduled("a", 100, 1, 0),), ()), COSTS)
+    more_seqs = step_seconds(StepPlan((Scheduled("a", 100, 1, 0), Scheduled("b", 1, 1, 0)), ()), COSTS)
+    longer = step_seconds(StepPlan((Scheduled("a", 200, 1, 0),), ()), COSTS)
     assert base < more_seqs and base < longer
 
 
