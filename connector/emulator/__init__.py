@@ -10,6 +10,8 @@ Modules, deciding apart from acting:
 - pure: `profiles` (the parameters, as data), `tokens` (the emulated tokenizer and text), `prefix_cache` (blocks,
   LRU, hashes and the events they cause), `scheduler` (what one step runs, and what it costs), `openai_format`
   (request parsing and vLLM's response shapes), `kv_event_wire` (vLLM's KV event structs);
-- acting: `engine` (the step loop), `side_channel` (the emulated KV handoff between emulators), `kv_events` (the
-  ZMQ publisher), `metrics`, `server` (the HTTP app), `main` (wiring, the rendezvous).
+- state: `requests` (a request's tokens, blocks and outputs);
+- acting: `engine` (the step loop), `handoff` (both sides of a P/D request's KV handoff) over `side_channel` (the
+  emulated side channel between emulators), `kv_events` (the ZMQ publisher), `metrics`, `server` (the HTTP app),
+  `main` (wiring, the rendezvous).
 """

@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None,
                    help="KV block size in tokens instead of the profile's (its KV capacity in tokens stays)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length instead of the profile's")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply every modelled duration (steps, the API's share, KV transfers) by this: 1 is the "
+                        "profile's time; functional tests run at a fraction of it")
     p.add_argument("--kv-cache-blocks", type=int, default=None,
                    help="KV cache capacity in blocks instead of the profile's (to make the prefix cache evict)")
     p.add_argument("--registration-timeout", type=float, default=60.0,

