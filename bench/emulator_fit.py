@@ -320,13 +320,43 @@ async def calibrate(args: argparse.Namespace) -> dict:
 
 
 # -- check --------------------------------------------------------------------------------------------------------
-async def ramp(url: str, arm: str, cfg: Config, rates: list[float], tokens: int) -> list[dict]:
+ENGINE_SERIES = {"prefill": ("vllm:request_prefill_time_seconds", "vllm:request_queue_time_seconds"),
+                 "decode": ("vllm:inter_token_latency_seconds", "vllm:iteration_tokens_total")}
+"""What each engine says about itself over a ramp step, the same for a real engine and an emulator: the prefill's
+time in prefill (its steps, no queue) and in its queue; the decode's inter-token latency (its step) and tokens per
+step (its batch)."""
+
+
+async def engine_sums(session: aiohttp.ClientSession, engines: dict[str, str]) -> dict[str, tuple[float, float]]:
+    out = {}
+    for role, url in engines.items():
+        for name in ENGINE_SERIES[role]:
+            out[f"{role}:{name}"] = await histogram_mean(session, url, name)
+    return out
+
+
+def engine_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict:
+    out = {}
+    for key, (total, count) in after.items():
+        d_total, d_count = total - before[key][0], count - before[key][1]
+        out[key] = round(d_total / d_count, 5) if d_count else None
+    return out
+
+
+async def ramp(url: str, arm: str, cfg: Config, rates: list[float], tokens: int, engines: dict[str, str]) -> list[dict]:
     steps, saturated = [], 0
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as session:
         await warm(session, via(url), arm, cfg, tokens)
         for rate in rates:
+            before = await engine_sums(session, engines)
             summary, aborted = await run_cell(session, via(url), arm, Cell(tokens, rate), cfg, None, None)
+            summary["engines"] = engine_means(before, await engine_sums(session, engines))
+            e = summary["engines"]
+            log(f"    engines: prefill {e['prefill:vllm:request_prefill_time_seconds']} s in prefill, "
+                f"{e['prefill:vllm:request_queue_time_seconds']} s queued; decode step "
+                f"{e['decode:vllm:inter_token_latency_seconds']} s at {e['decode:vllm:iteration_tokens_total']} "
+                "tokens per step")
             steps.append(summary)
             # Past saturation the queue only grows: stop after two steps in a row that did not keep up.
             saturated = 0 if sustained(summary) else saturated + 1
@@ -347,14 +377,15 @@ async def check_run(run: int, order: list[str], args: argparse.Namespace, cfg: C
         if arm == "real":
             ph, url, info = real_pair(logs / f"run{run}-real", args.timeout)
             try:
-                steps = await ramp(url, "real", run_cfg, args.rates, args.tokens)
+                steps = await ramp(url, "real", run_cfg, args.rates, args.tokens, info["urls"])
             finally:
                 ph.stop()
             info = {k: v for k, v in info.items() if k != "plugin_log"}
         else:
             emu, url = emulated_pair(logs / f"run{run}-emulator", args.timeout)
             try:
-                steps = await ramp(url, "emulator", run_cfg, args.rates, args.tokens)
+                steps = await ramp(url, "emulator", run_cfg, args.rates, args.tokens,
+                                   {"prefill": emu.prefill.url, "decode": emu.decode.url})
             finally:
                 emu.stop()
             info = {"profile": "cpu-kv64k"}
