@@ -28,12 +28,16 @@ import yaml
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 from pydantic import TypeAdapter, ValidationError
 
 from ..wire.advertisement import EngineAdvertisement
+from . import flags
 from . import pd_protocol as pd
 from .access_log import AccessLog, Attempt
+from .admission import Admission, Legs, Overloaded
 from .engine_pool import EnginePool
 
 if TYPE_CHECKING:
@@ -71,6 +75,43 @@ class Metrics:
                                       "answering (a stopping or dead decode)", registry=r)
         self.engines = Gauge("disagg_router_engines", "Engines known, by role and state", ["role", "state"],
                              registry=r)
+
+
+class AdmissionMetrics(Collector):
+    """Overload protection's state, read at scrape time (the autoscaling planner reads these too)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.a = admission
+
+    def collect(self) -> list[Metric]:
+        a = self.a
+        legs = GaugeMetricFamily("disagg_router_inflight_legs", "Legs in flight, summed over each role's engines "
+                                 "(a prefill leg until prefill answers, a decode leg until its answer ends)",
+                                 labels=["role"])
+        for role, n in sorted(a.legs_by_role().items()):
+            legs.add_metric([role], n)
+        limits = GaugeMetricFamily("disagg_router_inflight_limit", "The bounds on requests in flight (total) and on "
+                                   "legs in flight per engine (per_engine); 0 is no bound", labels=["scope"])
+        limits.add_metric(["total"], a.max_inflight or 0)
+        limits.add_metric(["per_engine"], a.max_per_engine or 0)
+        rejected = CounterMetricFamily("disagg_router_rejected", "Requests refused with 429: the wait queue was "
+                                       "full (queue_full) or no slot freed within its deadline (deadline)",
+                                       labels=["reason"])
+        for reason, n in a.rejected.items():
+            rejected.add_metric([reason], n)
+        return [
+            GaugeMetricFamily("disagg_router_inflight_requests", "Requests admitted and not finished",
+                              value=a.in_flight),
+            legs, limits,
+            GaugeMetricFamily("disagg_router_queue_length", "Requests waiting for a slot", value=a.waiting),
+            GaugeMetricFamily("disagg_router_queue_limit", "The most new requests that wait for a slot",
+                              value=a.max_queue),
+            CounterMetricFamily("disagg_router_admitted", "Requests admitted, at once or after waiting",
+                                value=a.admitted),
+            CounterMetricFamily("disagg_router_queued", "Requests that waited for a slot (admitted or not)",
+                                value=a.queued),
+            rejected,
+        ]
 
 
 class UpstreamFailed(Exception):
@@ -111,6 +152,11 @@ class Settings:
     request_timeout: float = 300.0
     transfer_id: bool = False
     pair_wait: float = 0.0  # seconds a request waits for a pair when none is available
+    # Overload protection (connector/router/admission.py); 0 is no bound.
+    max_inflight: int = flags.DEFAULT_MAX_INFLIGHT
+    max_inflight_per_engine: int = flags.DEFAULT_MAX_INFLIGHT_PER_ENGINE
+    max_queue: int = flags.DEFAULT_MAX_QUEUE
+    queue_wait: float = flags.DEFAULT_QUEUE_WAIT_SECONDS
 
 
 PAIR_POLL_SECONDS = 0.1
@@ -126,16 +172,23 @@ class Router:
         self.synced = synced  # the engine source has been read once (the rendezvous' first snapshot)
         self.access_log = access_log
         self.stopping = False  # SIGTERM came: not ready, so load balancers stop sending new connections
+        self.admission = Admission(pool, max_inflight=settings.max_inflight or None,
+                                   max_per_engine=settings.max_inflight_per_engine or None,
+                                   max_queue=settings.max_queue, queue_wait=settings.queue_wait)
+        self.m.registry.register(AdmissionMetrics(self.admission))
 
-    async def _await_pair(self, exclude: AbstractSet[str]) -> tuple[EngineAdvertisement, EngineAdvertisement] | None:
-        """A pair now, or within `pair_wait` seconds (an engine restarting, the rendezvous re-learning its engines
-        after a restart), polled: pool changes come from several sources (the watch, probes, failures)."""
-        pair = self.pool.choose(exclude=exclude)
+    async def _await_pair(self, exclude: AbstractSet[str], legs: Legs | None) -> Legs | None:
+        """`legs`, or when admission found no pair at all, a pair within `pair_wait` seconds (an engine restarting,
+        the rendezvous re-learning its engines after a restart), polled: pool changes come from several sources
+        (the watch, probes, failures). The request holds its request slot meanwhile; a pair found full makes it
+        wait in admission's queue (Overloaded when none frees in time)."""
+        if legs is not None or self.s.pair_wait <= 0:
+            return legs
         deadline = time.monotonic() + self.s.pair_wait
-        while pair is None and time.monotonic() < deadline:
+        while legs is None and time.monotonic() < deadline:
             await asyncio.sleep(PAIR_POLL_SECONDS)
-            pair = self.pool.choose(exclude=exclude)
-        return pair
+            legs = await self.admission.admit(exclude, holding=True)
+        return legs
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=None, connect=self.s.connect_timeout, sock_read=self.s.request_timeout)
@@ -198,25 +251,42 @@ class Router:
             body = pd.validate_client_body(endpoint, pd.parse_client_json(await _read_body(request)))
         except pd.BadRequest as e:
             return self._error(endpoint, e.status, str(e))
+        try:
+            legs = await self.admission.admit()
+        except Overloaded as e:
+            return self._overloaded(endpoint, e)
+        try:
+            return await self._attempts(request, endpoint, body, attempts, legs)
+        except Overloaded as e:  # its retry found no pair with room in time
+            return self._overloaded(endpoint, e)
+        finally:
+            self.admission.leave()
+
+    async def _attempts(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any],
+                        attempts: list[Attempt], legs: Legs | None) -> web.StreamResponse:
+        """At most two attempts, the first on `legs` (what admission granted), each releasing its engine slots."""
         tried: set[str] = set()
         last: UpstreamFailed | None = None
-        for _ in range(2):
-            pair = await self._await_pair(tried)
-            if pair is None:
+        for i in range(2):
+            if i:
+                legs = await self.admission.admit(tried, holding=True)
+            legs = await self._await_pair(tried, legs)
+            if legs is None:
                 break
-            prefill, decode = pair
-            limit = self.pool.max_model_len.get(decode.engine_id)
-            wanted = body.get("max_tokens") or body.get("max_completion_tokens")
-            if limit and isinstance(wanted, int) and wanted > limit:
-                # Refused here, not by the engines: in push mode a decode leg rejected after prefill has
-                # started leaves vLLM 0.32's push state wedged for the next request.
-                return self._error(endpoint, 400, f"max_tokens={wanted} exceeds the model's max_model_len={limit}")
-            if last is not None:
-                (self.m.retries if last.role == "prefill" else self.m.decode_retries).inc()
-            attempt = Attempt(uuid.uuid4().hex, prefill.engine_id, decode.engine_id, time.monotonic())
-            attempts.append(attempt)
             try:
-                return await self._one(request, endpoint, body, prefill, decode, attempt)
+                prefill, decode = legs.prefill, legs.decode
+                limit = self.pool.max_model_len.get(decode.engine_id)
+                wanted = body.get("max_tokens") or body.get("max_completion_tokens")
+                if limit and isinstance(wanted, int) and wanted > limit:
+                    # Refused here, not by the engines: in push mode a decode leg rejected after prefill has
+                    # started leaves vLLM 0.32's push state wedged for the next request.
+                    return self._error(endpoint, 400,
+                                       f"max_tokens={wanted} exceeds the model's max_model_len={limit}")
+                if last is not None:
+                    (self.m.retries if last.role == "prefill" else self.m.decode_retries).inc()
+                attempt = Attempt(uuid.uuid4().hex, prefill.engine_id, decode.engine_id, time.monotonic())
+                attempts.append(attempt)
+                return await self._one(request, endpoint, body, legs, attempt)
             except UpstreamFailed as e:
                 self.m.upstream_errors.labels(role=e.role, kind=e.kind).inc()
                 log.warning("%s", e)
@@ -228,6 +298,8 @@ class Router:
                 tried.add(e.engine_id)
                 if e.refused:
                     self.pool.refused(e.engine_id)
+            finally:
+                legs.release()
         if last is None:
             log.warning("no pair: engines %s, down %s", [(e.role, e.engine_id) for e in self.pool.engines()],
                         sorted(self.pool.down))
@@ -235,11 +307,10 @@ class Router:
                                               "layout keys is available")
         return self._error(endpoint, 502, f"upstream failure: {last}")
 
-    async def _one(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any],
-                   prefill: EngineAdvertisement, decode: EngineAdvertisement, tl: Attempt) -> web.StreamResponse:
-        rid, path = tl.request_id, PATHS[endpoint]
-        self.pool.outstanding[prefill.engine_id] += 1
-        self.pool.outstanding[decode.engine_id] += 1
+    async def _one(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any], legs: Legs,
+                   tl: Attempt) -> web.StreamResponse:
+        """One attempt on the pair of `legs`; the prefill slot is given back once prefill answers."""
+        rid, path, prefill, decode = tl.request_id, PATHS[endpoint], legs.prefill, legs.decode
         prefill_task: asyncio.Task[Any] | None = None
         decode_task: asyncio.Task[aiohttp.ClientResponse] | None = None
         relayed = False  # _relay owns the decode response from here on
@@ -249,6 +320,7 @@ class Router:
             if self.s.mode == "pull" or self.s.dispatch == "sequential":
                 pre = await prefill_task
                 tl.prefill_done = time.monotonic()
+                legs.prefill_answered()
                 params = pd.pull_decode_params(pre) if self.s.mode == "pull" else \
                     pd.push_decode_params(endpoint, rid, prefill, self.s.transfer_id)
                 decode_task = asyncio.create_task(
@@ -260,6 +332,7 @@ class Router:
                 # A failed prefill means decode would wait for KV that never comes: cancel it, never let it hang.
                 await prefill_task
                 tl.prefill_done = time.monotonic()
+                legs.prefill_answered()
             resp = await decode_task
             self.m.decode_legs.labels(mode=self.s.mode).inc()
             if tl.decode_sent is not None and tl.decode_sent < tl.prefill_done:
@@ -279,8 +352,6 @@ class Router:
                 # client went away, or prefill failed): close that stream too, so vLLM aborts the decode leg now
                 # rather than at its registration timeout.
                 decode_task.result().close()
-            self.pool.outstanding[prefill.engine_id] -= 1
-            self.pool.outstanding[decode.engine_id] -= 1
 
     async def _relay(self, request: web.Request, endpoint: str, resp: aiohttp.ClientResponse,
                      tl: Attempt, served: dict[str, str]) -> web.StreamResponse:
@@ -344,6 +415,11 @@ class Router:
         self.m.requests.labels(mode=self.s.mode, endpoint=endpoint, status=str(status)).inc()
         resp = error_response(status, message)
         resp[ERROR_KEY] = message
+        return resp
+
+    def _overloaded(self, endpoint: str, e: Overloaded) -> web.Response:
+        resp = self._error(endpoint, 429, str(e))
+        resp.headers["Retry-After"] = str(self.admission.retry_after)
         return resp
 
     # -- the app -----------------------------------------------------------------------------------------
@@ -436,8 +512,8 @@ async def _freeze_when_started(_app: web.Application) -> None:
 
 def error_response(status: int, message: str) -> web.Response:
     """An OpenAI-style error: every 4xx and 5xx of the router has this body."""
-    kind = "invalid_request_error" if status < 500 else "upstream_error" if status in (502, 503, 504) else \
-        "internal_error"
+    kind = "overloaded_error" if status == 429 else "invalid_request_error" if status < 500 else \
+        "upstream_error" if status in (502, 503, 504) else "internal_error"
     return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
@@ -516,7 +592,9 @@ def build(args: argparse.Namespace) -> tuple[Router, list[tuple[EngineCache, Ren
         source = lambda: list(cache.engines.values())  # noqa: E731
     settings = Settings(mode=args.mode, dispatch=args.dispatch, connect_timeout=args.connect_timeout,
                         request_timeout=args.request_timeout, transfer_id=args.transfer_id,
-                        pair_wait=args.pair_wait_seconds)
+                        pair_wait=args.pair_wait_seconds, max_inflight=args.max_inflight,
+                        max_inflight_per_engine=args.max_inflight_per_engine, max_queue=args.max_queue,
+                        queue_wait=args.queue_wait_seconds)
     synced = tasks[0][0].synced.is_set if tasks else lambda: True
     access_log = AccessLog.open(args.access_log) if args.access_log else None
     return Router(EnginePool(args.mode, source), settings, synced=synced, access_log=access_log), tasks

@@ -28,6 +28,8 @@ from ..wire.advertisement import EngineAdvertisement
 from .pd_protocol import compatible
 
 log = logging.getLogger("disagg.router.pool")
+Pair = tuple[EngineAdvertisement, EngineAdvertisement]
+"""A prefill engine and a compatible decode engine."""
 
 
 class EnginePool:
@@ -35,7 +37,8 @@ class EnginePool:
                  probe_interval: float = 1.0, probe_timeout: float = 2.0, slow_strikes: int = 3):
         self.mode = mode
         self._source = source
-        self.outstanding: dict[str, int] = defaultdict(int)
+        self.outstanding: dict[str, int] = {}
+        """Legs in flight per engine id (connector/router/admission.py says what holds one); absent when none."""
         self.down: set[str] = set()
         self.timeouts: dict[str, int] = defaultdict(int)
         self.max_model_len: dict[str, int] = {}  # from each engine's /v1/models, learned by the probes
@@ -47,16 +50,32 @@ class EnginePool:
     def healthy(self, role: str) -> list[EngineAdvertisement]:
         return [e for e in self.engines() if e.role == role and e.engine_id not in self.down]
 
-    def choose(self, exclude: AbstractSet[str] = frozenset()) -> tuple[EngineAdvertisement, EngineAdvertisement] | None:
+    def choose(self, exclude: AbstractSet[str] = frozenset()) -> Pair | None:
         """Least outstanding work first: the decode engine, then a compatible prefill engine; never an engine in
         `exclude` (those a request already failed on)."""
+        return self.place(exclude)[0]
+
+    def place(self, exclude: AbstractSet[str] = frozenset(), limit: int | None = None) -> tuple[Pair | None, bool]:
+        """`choose` among the engines with fewer than `limit` outstanding legs (None: no bound), and whether any
+        compatible pair exists at all, room or not: (None, True) is a full deployment, (None, False) one without a
+        pair."""
+        load = self.outstanding
         prefills = [p for p in self.healthy("prefill") if p.engine_id not in exclude]
         decodes = [d for d in self.healthy("decode") if d.engine_id not in exclude]
-        for decode in sorted(decodes, key=lambda e: (self.outstanding[e.engine_id], e.engine_id)):
+        exists = False
+        for decode in sorted(decodes, key=lambda e: (load.get(e.engine_id, 0), e.engine_id)):
             matches = [p for p in prefills if compatible(p, decode)]
-            if matches:
-                return min(matches, key=lambda e: (self.outstanding[e.engine_id], e.engine_id)), decode
-        return None
+            if not matches:
+                continue
+            exists = True
+            if limit is not None:
+                if load.get(decode.engine_id, 0) >= limit:
+                    break  # decodes come least loaded first: every later one is full too
+                matches = [p for p in matches if load.get(p.engine_id, 0) < limit]
+                if not matches:
+                    continue
+            return (min(matches, key=lambda e: (load.get(e.engine_id, 0), e.engine_id)), decode), True
+        return None, exists
 
     def refused(self, engine_id: str) -> None:
         """A request could not connect to the engine: down until the next probe round decides. The only

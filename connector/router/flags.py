@@ -4,6 +4,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+DEFAULT_MAX_INFLIGHT = 1024
+"""Requests in flight per router: what one router core streams at a steady pace (the operator's default too)."""
+DEFAULT_MAX_INFLIGHT_PER_ENGINE = 256
+"""Legs in flight per engine: vLLM's default batch (max_num_seqs) on most GPUs, twice a CPU engine's."""
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_QUEUE_WAIT_SECONDS = 1.0
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
@@ -21,6 +28,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair-wait-seconds", type=float, default=0.0,
                    help="how long a request waits for a healthy prefill/decode pair when none is available before "
                         "a 503 (default 0: at once)")
+    p.add_argument("--max-inflight", type=_count, default=DEFAULT_MAX_INFLIGHT,
+                   help="requests in flight at most, all engines together; beyond it requests wait in the queue "
+                        "(0: no bound)")
+    p.add_argument("--max-inflight-per-engine", type=_count, default=DEFAULT_MAX_INFLIGHT_PER_ENGINE,
+                   help="legs in flight at most per engine: a prefill leg until prefill answers, a decode leg until "
+                        "its answer ends; a request is admitted on a pair whose two engines are both below it, least "
+                        "outstanding first. Set it near the engines' --max-num-seqs (0: no bound)")
+    p.add_argument("--max-queue", type=_count, default=DEFAULT_MAX_QUEUE,
+                   help="requests that wait (first come, first served) for a slot at most; one more gets 429 with "
+                        "Retry-After at once")
+    p.add_argument("--queue-wait-seconds", type=_seconds, default=DEFAULT_QUEUE_WAIT_SECONDS,
+                   help="how long a request waits for a slot before it gets 429 with Retry-After")
     p.add_argument("--stop-delay-seconds", type=float, default=0.0,
                    help="on SIGTERM, keep serving (new connections too) this long with /readyz answering 503 before "
                         "the drain, so a load balancer whose endpoints lag the SIGTERM (a Kubernetes Service) stops "
@@ -33,3 +52,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="append one JSON line per request with its exact timings (connector/router/access_log.py); "
                         "'-' for standard output")
     p.add_argument("--log-level", default="INFO")
+
+
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    x = float(text)
+    if not 0 <= x <= 3600:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be between 0 and 3600, got {text}")
+    return x

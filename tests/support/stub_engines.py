@@ -60,7 +60,9 @@ class StubEngine:
     `decode_status`: answer decode legs with this status; a streamed decode leg sends its 200 and headers at once
     (as vLLM does, before any token), then `tokens` chunks: `decode_hold(request_id, i)`, if set, is awaited before
     chunk i (before the answer, i = 0, when not streamed); `decode_dies_after`: drop the connection before that
-    chunk. `health_status`, `health_hangs`: what /health does; `models_body`: what /v1/models answers."""
+    chunk. `health_status`, `health_hangs`: what /health does; `models_body`: what /v1/models answers. `active`:
+    legs being answered now (from the request's arrival to its handler's end; `wait_for` wakes on arrivals, not on
+    ends), `peak`: the most at once."""
 
     def __init__(self, engine_id: str, role: str, *, mode: str = "push", board: KvBoard | None = None,
                  max_model_len: int = 8192, layout_key: str | None = None, block_size: int = 16) -> None:
@@ -77,6 +79,8 @@ class StubEngine:
         self.hold: Callable[[str], Awaitable[None]] | None = None
         self.legs: list[Leg] = []
         self.cancelled: list[str] = []
+        self.active = 0  # legs being answered now
+        self.peak = 0  # the most legs ever answered at once
         self.url: str | None = None
         self._runner: web.AppRunner | None = None
         self._changed = asyncio.Condition()
@@ -140,7 +144,13 @@ class StubEngine:
         except ValueError:
             return web.json_response({"error": {"message": "not JSON", "code": 400}}, status=400)
         leg = Leg(rid, request.path, body)
-        await self._note(lambda: self.legs.append(leg))
+
+        def arrived() -> None:
+            self.legs.append(leg)
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+
+        await self._note(arrived)
         try:
             if leg.params.get("do_remote_decode"):
                 return await self._prefill(leg)
@@ -148,6 +158,10 @@ class StubEngine:
         except asyncio.CancelledError:
             await asyncio.shield(self._note(lambda: self.cancelled.append(rid)))
             raise
+        finally:
+            # Not noted (no await): with an await here, a stand-in that drops its connection mid-stream lost the
+            # chunk it had written before (test_router_retry's mid-stream death).
+            self.active -= 1
 
     async def _prefill(self, leg: Leg) -> web.Response:
         internal = pd.internal_request_id(PATHS[leg.path], leg.request_id)

@@ -65,6 +65,33 @@ def test_pairing(engines, mode, outstanding, down, exclude, expected):
             p.kv_mode == mode
 
 
+# (outstanding legs, limit, expected (prefill, decode) or None, whether a compatible pair exists at all)
+PLACES = [
+    ({}, 1, ("p1", "d1"), True),
+    ({"d1": 1}, 1, ("p1", "d2"), True),  # a full decode is passed over
+    ({"p1": 1}, 1, ("p2", "d1"), True),  # so is a full prefill
+    ({"d1": 1, "d2": 1}, 1, None, True),  # full: the request waits (overload), not a missing pair
+    ({"p1": 2, "p2": 2}, 2, None, True),
+    ({"p1": 2, "p2": 2}, 3, ("p1", "d1"), True),
+    ({"p1": 9, "d1": 9, "d2": 9}, None, ("p2", "d1"), True),  # no bound: least outstanding first, as choose()
+]
+
+
+@pytest.mark.parametrize("outstanding, limit, expected, exists", PLACES)
+def test_placing_under_a_bound_on_legs_per_engine(outstanding, limit, expected, exists):
+    pool = EnginePool("push", lambda: [P("p1"), P("p2"), D("d1"), D("d2")])
+    pool.outstanding.update(outstanding)
+    chosen, found = pool.place(limit=limit)
+    assert (None if chosen is None else (chosen[0].engine_id, chosen[1].engine_id)) == expected
+    assert found is exists
+
+
+def test_placing_tells_a_missing_pair_from_a_full_one():
+    pool = EnginePool("push", lambda: [P("p1", layout_key="gen-a"), D("d1", layout_key="gen-b")])
+    assert pool.place(limit=1) == (None, False)
+    assert pool.place(limit=None) == (None, False)
+
+
 def test_the_source_is_read_at_every_choice():
     """Engines come and go (rendezvous events): no caching between choices."""
     engines = [P("p1"), D("d1")]
