@@ -364,6 +364,21 @@ class RouterSpec(Model):
     """How long a request waits for a healthy prefill/decode pair when none is available (an engine restarting,
     a rollout step) before the router answers 503. A request retried after its engine failed before answering
     waits for its second pair the same way. 0 answers at once."""
+    max_inflight: int = Field(default=1024, ge=0, le=1_000_000)
+    """Requests each router pod holds in flight at most, all engines together; more wait in its queue (see
+    maxQueue). A request counts from its admission to the end of its answer, its retry included. 0: no bound."""
+    max_inflight_per_engine: int = Field(default=256, ge=0, le=1_000_000)
+    """Legs each router pod sends one engine at most: a prefill leg counts until prefill answers, a decode leg
+    until its answer ends. A request is admitted on a pair whose two engines are both below it (least outstanding
+    first); when every pair has an engine at the bound, it waits in the queue. Set it near the engines'
+    --max-num-seqs (vLLM's default: 256 on most GPUs, 1024 on H100/H200, 128 on CPU) divided by the router
+    replicas: each router pod counts only its own. 0: no bound."""
+    max_queue: int = Field(default=256, ge=0, le=1_000_000)
+    """Requests each router pod keeps waiting (first come, first served) for a slot at most; one more is refused
+    at once with 429 Too Many Requests and a Retry-After header."""
+    queue_wait_seconds: float = Field(default=1.0, ge=0, le=3600)
+    """How long a request waits for a slot before it is refused with 429 and Retry-After (the deadline rounded up to
+    whole seconds). Waiting for engines that are not there (pairWaitSeconds) is apart from this."""
     access_log: bool = True
     """One JSON line per request on the router's standard output (`kubectl logs`): the request id both legs
     carried (also the X-Request-Id response header), the engines that served it, the status, and the exact

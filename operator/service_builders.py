@@ -132,7 +132,10 @@ def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dic
     command = ["disagg", "router", "--mode", spec.kv_transfer.mode,
                "--rendezvous", names.rendezvous_url(name, namespace_of(cr)),
                "--port", str(names.ROUTER_CONTAINER_PORT), "--pair-wait-seconds", str(spec.router.pair_wait_seconds),
-               "--stop-delay-seconds", str(ROUTER_STOP_DELAY_SECONDS), "--drain-seconds", str(ROUTER_DRAIN_SECONDS)]
+               "--stop-delay-seconds", str(ROUTER_STOP_DELAY_SECONDS), "--drain-seconds", str(ROUTER_DRAIN_SECONDS),
+               "--max-inflight", str(spec.router.max_inflight),
+               "--max-inflight-per-engine", str(spec.router.max_inflight_per_engine),
+               "--max-queue", str(spec.router.max_queue), "--queue-wait-seconds", f"{spec.router.queue_wait_seconds:g}"]
     if spec.router.access_log:
         command += ["--access-log", "-"]
     # Ready once it has read the rendezvous, whether or not a pair is up: a router that is not Ready takes the

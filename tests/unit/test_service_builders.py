@@ -22,7 +22,9 @@ def test_router_and_rendezvous():
     assert c["image"] == "img:1"
     assert c["command"] == ["disagg", "router", "--mode", "push", "--rendezvous",
                             "http://qwen-rendezvous.ml.svc:8080", "--port", "8000", "--pair-wait-seconds", "30",
-                            "--stop-delay-seconds", "5", "--drain-seconds", "60", "--access-log", "-"]
+                            "--stop-delay-seconds", "5", "--drain-seconds", "60", "--max-inflight", "1024",
+                            "--max-inflight-per-engine", "256", "--max-queue", "256", "--queue-wait-seconds", "1",
+                            "--access-log", "-"]
     # SIGTERM: 5 s more of serving while the Service's endpoints catch up, 60 s for the requests in flight, and the
     # kubelet's SIGKILL only after both.
     assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75
@@ -48,6 +50,33 @@ def test_router_and_rendezvous():
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     svc = child(children, "Service", "qwen-rendezvous")["spec"]
     assert svc["type"] == "ClusterIP" and svc["ports"][0]["port"] == 8080
+
+def test_the_router_gets_its_overload_bounds_from_the_cr_and_its_defaults_are_the_routers_own():
+    import argparse
+
+    from disagg.connector.router import flags
+
+    cr = make_cr({"router": {"maxInflight": 0, "maxInflightPerEngine": 8, "maxQueue": 3, "queueWaitSeconds": 0.25}})
+    [c] = child(build_children(cr), "Deployment", "qwen-router")["spec"]["template"]["spec"]["containers"]
+    command = c["command"]
+    assert [command[command.index(f) + 1] for f in ("--max-inflight", "--max-inflight-per-engine", "--max-queue",
+                                                   "--queue-wait-seconds")] == ["0", "8", "3", "0.25"]
+    p = argparse.ArgumentParser()
+    flags.add_arguments(p)
+    ours = p.parse_args(command[2:])  # what the router makes of it
+    assert (ours.max_inflight, ours.max_inflight_per_engine, ours.max_queue, ours.queue_wait_seconds) == (0, 8, 3, 0.25)
+    default = make_cr().spec.router
+    assert (default.max_inflight, default.max_inflight_per_engine, default.max_queue, default.queue_wait_seconds) == \
+        (flags.DEFAULT_MAX_INFLIGHT, flags.DEFAULT_MAX_INFLIGHT_PER_ENGINE, flags.DEFAULT_MAX_QUEUE,
+         flags.DEFAULT_QUEUE_WAIT_SECONDS)
+
+
+@pytest.mark.parametrize("router", [{"maxInflight": -1}, {"maxQueue": "many"}, {"queueWaitSeconds": 3601},
+                                    {"maxInflightPerEngine": 1.5}])
+def test_junk_overload_bounds_are_refused(router):
+    with pytest.raises(ValueError):
+        make_cr({"router": router})
+
 
 def test_rendezvous_auth_kubernetes_is_the_default():
     """Engines present their pod's projected ServiceAccount token; the rendezvous, as its own ServiceAccount bound
