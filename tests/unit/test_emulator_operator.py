@@ -69,7 +69,8 @@ def test_an_emulator_on_accelerator_nodes_takes_their_placement_but_none_of_thei
     cr = make_cr({"engine": {"emulator": {}}})  # p5en, TP4
     children = build_children(cr, images=A)
     c = engine(children, "prefill")
-    assert "nvidia.com/gpu" not in c["resources"]["requests"] and "vpc.amazonaws.com/efa" not in c["resources"]["limits"]
+    assert "nvidia.com/gpu" not in c["resources"]["requests"]
+    assert "vpc.amazonaws.com/efa" not in c["resources"]["limits"]
     assert pod(children, "prefill")["spec"]["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5en.48xlarge"}
 
 

@@ -116,10 +116,10 @@ def test_each_revisions_plugin_is_read_from_its_statefulsets_newest_first():
 # changes these, and then an upgrade to that operator rolls every deployment in the cluster once (safely, through
 # the rollout planner, but all at once): make such a change on purpose, and say so in the release notes.
 EXAMPLE_REVISIONS = {
-    "llama-trn2.yaml": "65bd95",
-    "qwen3-32b-p5en-2p1d.yaml": "6284b6",
-    "qwen3-32b-p5en.yaml": "81d9b7",
-    "tiny-cpu.yaml": "5e3765",
+    "llama-trn2.yaml": "27563b",
+    "qwen3-32b-p5en-2p1d.yaml": "5fb00e",
+    "qwen3-32b-p5en.yaml": "266ca2",
+    "tiny-cpu.yaml": "7021ad",
 }
 
 
