@@ -344,21 +344,22 @@ def _soak(name: str, d: dict[str, Any]) -> Iterator[Row]:
     """The chaos soak (issue 34): wrong answers (never), failures outside faults (never), and per fault kind its
     failed requests and recovery; graceful deletions must fail nothing."""
     h, cfg = d["headline"], d.get("config", {})
+    bench = f"soak, {2 * cfg['emulated']} emulated engines" if cfg.get("emulated") else "soak"
     n = f"of {h['requests']} in {cfg.get('seconds')} s with {h['faults']} faults"
-    yield Row("soak", "wrong answers", h["wrong"], "requests", name, None, Goal("==", 0, "issue 34"), n)
-    yield Row("soak", "failed requests outside fault windows", h["failed_outside_faults"], "requests", name, None,
+    yield Row(bench, "wrong answers", h["wrong"], "requests", name, None, Goal("==", 0, "issue 34"), n)
+    yield Row(bench, "failed requests outside fault windows", h["failed_outside_faults"], "requests", name, None,
               Goal("==", 0, "issue 34"), n)
     for kind, k in sorted(d["by_kind"].items()):
         goal = Goal("==", 0, "issue 34") if kind.startswith("delete-") else None
-        yield Row("soak", f"{kind}: failed requests", k["failed"], "requests", name, None, goal,
+        yield Row(bench, f"{kind}: failed requests", k["failed"], "requests", name, None, goal,
                   f"of {k['requests']} sent during {k['count']} fault{'s' if k['count'] > 1 else ''}"
                   + (f"; {k['causes']}" if k["causes"] else ""))
-        yield Row("soak", f"{kind}: recovery, longest", k["recovery_max_s"], "s", name, None, None,
+        yield Row(bench, f"{kind}: recovery, longest", k["recovery_max_s"], "s", name, None, None,
                   f"{k['count']} fault{'s' if k['count'] > 1 else ''}, {k['unrecovered']} not recovered")
     for comp in ("router", "rendezvous"):
         rss = h.get(f"{comp}_rss_kib") or {}
         if rss.get("first") and rss.get("last"):
-            yield Row("soak", f"{comp} RSS, end / start", round(rss["last"] / rss["first"], 3), "x", name, None,
+            yield Row(bench, f"{comp} RSS, end / start", round(rss["last"] / rss["first"], 3), "x", name, None,
                       None, f"{rss['first'] // 1024} to {rss['last'] // 1024} MiB, at most {rss['max'] // 1024}")
 
 
@@ -406,12 +407,52 @@ def _emulator_footprint(name: str, d: dict[str, Any]) -> Iterator[Row]:
               None, None, f"{n}, {cfg.get('rate_per_pair')} req/s per pair")
 
 
+def _overload(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """Overload protection (issue 35, item 4), per bed: the bounded router at 5x its pair's saturation rate against
+    the same router at that rate, pooled over rounds and runs; the router without bounds beside it."""
+    cfg = d.get("config", {})
+    x = f"{cfg.get('factor', 5):g}x"
+    runs = len(d.get("runs", [])) or 1
+    for bed, b in d["beds"].items():
+        h = b["headline"]
+        sat, over = h["saturation"], h["overload"]
+        rates = b["saturation_rps"] if isinstance(b["saturation_rps"], list) else [b["saturation_rps"]]
+        n = f"{over['ok']} and {sat['ok']} answered requests, {runs} run{'s' if runs > 1 else ''}"
+        per_run = [r.get("overload_over_saturation_p99") for r in b.get("per_run", [])]
+        yield Row("overload", f"{bed}: admitted TTFT p99 at {x} saturation / at saturation",
+                  h["overload_over_saturation_p99"], "x", name, _ci(h.get("overload_over_saturation_p99_ci90")),
+                  Goal("<=", 2.0, "issue 35"), n + (f"; per run {per_run}" if per_run else ""))
+        yield Row("overload", f"{bed}: admitted TTFT p50 at {x} saturation / at saturation",
+                  h["overload_over_saturation_p50"], "x", name, _ci(h.get("overload_over_saturation_p50_ci90")),
+                  None, n)
+        yield Row("overload", f"{bed}: requests refused with 429 at {x} saturation", over["refused_429"],
+                  "requests", name, None, None, f"of {over['sent']} ({100 * over['refused_share']:.0f}%)")
+        yield Row("overload", f"{bed}: failed requests other than 429", over["failed"] + sat["failed"], "requests",
+                  name, None, Goal("==", 0, "issue 35"), f"of {over['sent'] + sat['sent']}")
+        yield Row("overload", f"{bed}: served rate at {x} saturation / at saturation",
+                  h["overload_served_over_saturation_served"], "x", name, None, None,
+                  f"saturation {', '.join(f'{r:g}' for r in rates)} req/s (the ramp's highest rate served at 90%)")
+        if h.get("bounded_rss_after_over_before") is not None:
+            yield Row("overload", f"{bed}: router RSS after / before the {x} arms", h["bounded_rss_after_over_before"],
+                      "x", name, None, Goal("<=", 1.1, "issue 35: flat"),
+                      f"at most {h['bounded_rss_max_kib'] // 1024} MiB")
+        if h.get("unbounded_over_saturation_p99") is not None:
+            u = h["unbounded"]
+            yield Row("overload", f"{bed}: no bounds (before): TTFT p99 at {x} saturation / bounded at saturation",
+                      h["unbounded_over_saturation_p99"], "x", name, None, None,
+                      f"{u['ok']} answered of {u['sent']}, {u['failed']} failed")
+        if h.get("unbounded_rss_max_over_first") is not None:
+            yield Row("overload", f"{bed}: no bounds (before): router RSS, most / first",
+                      h["unbounded_rss_max_over_first"], "x", name, None, None,
+                      f"over one {x} arm of {cfg.get('unbounded_s')} s")
+
+
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
     "emulator_fit": _emulator_fit, "emulator_calibration": _emulator_calibration,
     "emulator_footprint": _emulator_footprint,
     "pd_serving": _pd_serving, "cold_pair": _cold_pair, "cluster_path": _cluster_path,
     "operator_scale": _operator_scale, "rollout": _rollout, "capacity": _capacity, "router_stubs": _router_stubs,
-    "kv_write": _kv_write, "abort_storm": _abort_storm, "soak": _soak,
+    "kv_write": _kv_write, "abort_storm": _abort_storm, "soak": _soak, "overload": _overload,
 }
 
 

@@ -179,3 +179,30 @@ def test_the_idle_goal_judges_the_operators_writes_not_the_controllers(bench):
     del result["idle_objects_changed_by_operator"]  # a result from before the audit log named the writer
     older = {r.measure: r for r in table.rows({"operator_scale.json": result})}
     assert older["objects changed by an idle resync"].met is False
+
+
+def overload_result(p99: float, failed: int, rss: float) -> dict:
+    arms = {"sent": 1000, "ok": 800, "refused_429": 200 - failed, "failed": failed, "refused_share": 0.2,
+            "served_rps_mean": 30.0, "router_cpu_s_per_arm": 1.0}
+    return {"benchmark": "overload", "config": {"factor": 5, "unbounded_s": 20}, "runs": [{}, {}, {}], "beds": {
+        "emulator": {"saturation_rps": [30, 32, 30], "per_run": [{"overload_over_saturation_p99": p99}] * 3,
+                     "headline": {"saturation": arms, "overload": arms, "unbounded": arms,
+                                  "overload_over_saturation_p99": p99, "overload_over_saturation_p99_ci90": [1.1, 1.9],
+                                  "overload_over_saturation_p50": 1.2, "overload_over_saturation_p50_ci90": None,
+                                  "overload_served_over_saturation_served": 0.97,
+                                  "bounded_rss_after_over_before": rss, "bounded_rss_max_kib": 80 * 1024,
+                                  "unbounded_over_saturation_p99": 30.0, "unbounded_rss_max_over_first": 1.8}}}}
+
+
+def test_overload_goals_are_the_admitted_p99_no_failures_but_429s_and_a_flat_rss(bench):
+    _, table = bench
+    good = table.rows({"overload.json": overload_result(1.5, 0, 1.02)})
+    assert [(r.measure, r.met) for r in good if r.goal] == [
+        ("emulator: admitted TTFT p99 at 5x saturation / at saturation", True),
+        ("emulator: failed requests other than 429", True),
+        ("emulator: router RSS after / before the 5x arms", True)]
+    assert next(r for r in good if r.goal).ci90 == (1.1, 1.9)
+    bad = table.rows({"overload.json": overload_result(2.5, 1, 1.3)})
+    assert [r.met for r in bad if r.goal] == [False, False, False]
+    # The router without bounds is shown beside it, judged by nothing.
+    assert [r.goal for r in good if "no bounds" in r.measure] == [None, None]
