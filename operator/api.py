@@ -7,9 +7,9 @@ apiserver itself rejects bad input with a message that names the field.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
@@ -439,6 +439,114 @@ class RolloutSpec(Model):
     on Trainium, whose first start compiles)."""
 
 
+def _bounds_rules() -> JsonDict:
+    return _validations(
+        _cel("self.minReplicas <= self.maxReplicas",
+             message_expression=_fmt("minReplicas %d exceeds maxReplicas %d", "self.minReplicas",
+                                     "self.maxReplicas"),
+             field_path=".minReplicas"))
+
+
+class _ReplicaBounds(Model):
+    """The range the planner keeps one role's engine count in."""
+
+    model_config = ConfigDict(json_schema_extra=_bounds_rules())
+    min_replicas: int = Field(default=1, ge=1, le=MAX_ENGINE_REPLICAS)
+    """Fewest engines of this role while the deployment serves. At least 1: a role with no engines serves nothing,
+    so only spec.autoscaling.scaleToZero takes a role to 0, and then both roles together."""
+    max_replicas: int = Field(ge=1, le=MAX_ENGINE_REPLICAS)
+    """Most engines of this role the planner asks for, however high the load."""
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> Self:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas {self.min_replicas} exceeds maxReplicas {self.max_replicas}")
+        return self
+
+
+class PrefillAutoscalingSpec(_ReplicaBounds):
+    """Prefill's range and, optionally, one engine's prefill throughput."""
+
+    input_tokens_per_second: int | None = Field(default=None, ge=1, le=100_000_000)
+    """Prompt tokens one prefill engine computes per second while it still meets the TTFT target (from a
+    benchmark of this model on this profile). With it the planner keeps at least ceil(arrivals per second x mean
+    prompt tokens / this) prefill engines, so a step in load is met in one decision; without it, prefill follows
+    the TTFT, queue and KV signals alone, a step at a time."""
+
+
+class DecodeAutoscalingSpec(_ReplicaBounds):
+    """Decode's range and, optionally, one engine's decode throughput."""
+
+    output_tokens_per_second: int | None = Field(default=None, ge=1, le=100_000_000)
+    """Output tokens one decode engine generates per second, all its sequences together, while it still meets the
+    TPOT target (from a benchmark of this model on this profile). With it the planner keeps at least
+    ceil(arrivals per second x mean output tokens / this) decode engines; without it, decode follows the TPOT,
+    queue and KV signals alone, a step at a time."""
+
+
+class SLOSpec(Model):
+    """The latency targets the planner scales for, both at one percentile of the requests in its window."""
+
+    percentile: float = Field(default=90.0, ge=50, le=99.9)
+    """The percentile of the window's requests held to the targets (90: nine requests in ten)."""
+    ttft_milliseconds: int = Field(default=1000, ge=1, le=3_600_000)
+    """Time to first token, from the router receiving the request to the first token it sends. Above it, prefill
+    grows."""
+    tpot_milliseconds: int = Field(default=100, ge=1, le=60_000)
+    """Time per output token after the first. Above it, decode grows."""
+
+
+class ScaleUpSpec(Model):
+    """How fast a role grows."""
+
+    max_step: int = Field(default=4, ge=1, le=MAX_ENGINE_REPLICAS)
+    """Most engines one decision adds to a role."""
+    cooldown_seconds: int = Field(default=30, ge=0, le=86400)
+    """Least time since the role's count last changed before the planner adds to it again. Apart from this, no
+    decision is made while engines an earlier one asked for are still starting."""
+
+
+class ScaleDownSpec(Model):
+    """How fast, and from how low a load, a role shrinks."""
+
+    max_step: int = Field(default=1, ge=1, le=MAX_ENGINE_REPLICAS)
+    """Most engines one decision removes from a role."""
+    cooldown_seconds: int = Field(default=300, ge=0, le=86400)
+    """Least time since the role's count last changed before the planner removes from it."""
+    utilization: float = Field(default=0.7, ge=0.05, le=0.95)
+    """The band below which a role shrinks: only when every signal would stay at or below this fraction of the
+    level that makes it grow: the SLO percentile against its target, and KV usage, queue and throughput per engine
+    as they would be with the engines that remain. The gap up to 1 is the hysteresis that keeps a steady load from
+    flapping the count."""
+
+
+class ScaleToZeroSpec(Model):
+    """Stopping every engine of an idle deployment."""
+
+    idle_seconds: int = Field(default=900, ge=60, le=7 * 86400)
+    """How long the router must have received no request, and the engines hold none, before both roles go to 0
+    together. The first request after that is held by the router until a pair is up again (spec.autoscaling's
+    minReplicas of each role)."""
+
+
+class AutoscalingSpec(Model):
+    """Engine counts per role set by the built-in planner from the load the router and the engines report, within
+    per-role ranges, for the SLO targets."""
+
+    prefill: PrefillAutoscalingSpec
+    """Prefill's range and throughput."""
+    decode: DecodeAutoscalingSpec
+    """Decode's range and throughput."""
+    slo: SLOSpec = Field(default_factory=SLOSpec)
+    """The latency targets."""
+    scale_up: ScaleUpSpec = Field(default_factory=ScaleUpSpec)
+    """How fast a role grows."""
+    scale_down: ScaleDownSpec = Field(default_factory=ScaleDownSpec)
+    """How fast, and from how low a load, a role shrinks."""
+    scale_to_zero: ScaleToZeroSpec | None = None
+    """Stop both roles' engines after an idle window. Unset: each role keeps at least its minReplicas."""
+
+
 def _ranks_rule(role: str) -> dict[str, str]:
     # Each data-parallel rank in a pod is a full TP × PP engine core, so all three multiply into the pod's
     # accelerators, and the pod must fit one node.
@@ -523,6 +631,10 @@ class DisaggregatedInferenceSpec(Model):
     """Placement of engine pods."""
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     """How changes to the engines roll out, both roles paced together."""
+    autoscaling: AutoscalingSpec | None = None
+    """Each role's engine count set by the built-in planner from the observed load, within per-role ranges, for the
+    SLO targets. Unset: the counts are spec.prefill.replicas and spec.decode.replicas. Not acted on yet: the
+    operator validates and stores it, and each role still runs spec.<role>.replicas."""
 
     # -- derived values: one place decides each default ---------------------------------------------------
     @property
