@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import yaml
@@ -54,6 +55,17 @@ RELEASE = "disagg-e2e"
 class Release:
     name: str
     namespace: str
+    values: dict
+    """The values it was installed with."""
+    values_file: Path
+
+    def upgrade(self, cluster, values: dict) -> None:
+        """`helm upgrade` to `values` (and back, with `self.values`), waiting for the operator's Deployment."""
+        from support.tools import CHART, helm
+
+        self.values_file.write_text(yaml.safe_dump(values))
+        helm("upgrade", "--install", self.name, str(CHART), "--namespace", self.namespace, "--create-namespace",
+             "-f", str(self.values_file), "--wait", "--timeout", "180s", cluster=cluster, timeout=240)
 
 
 @pytest.fixture(scope="session")
@@ -61,19 +73,17 @@ def operator_release(cluster, real_node, tmp_path_factory):
     """The operator installed by its Helm chart from the image built from the Dockerfile, running as a pod on the
     real node under the chart's ServiceAccount."""
     from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
-    from support.tools import CHART, helm
+    from support.tools import helm
 
     repository, tag = real_node.images["disagg"].rsplit(":", 1)
-    values = tmp_path_factory.mktemp("release") / "values.yaml"
-    values.write_text(yaml.safe_dump({
+    values = {
         "image": {"operator": {"repository": repository, "tag": tag, "pullPolicy": "Never"}},
         "nodeSelector": {CPU_ENGINES_LABEL: CPU_ENGINES_VALUE},
         "tolerations": [{**CPU_ENGINES_TAINT, "operator": "Equal"}],
         "operator": {"resyncSeconds": 30},
-    }))
-    release = Release(RELEASE, RELEASE)
-    helm("upgrade", "--install", release.name, str(CHART), "--namespace", release.namespace, "--create-namespace",
-         "-f", str(values), "--wait", "--timeout", "180s", cluster=cluster, timeout=240)
+    }
+    release = Release(RELEASE, RELEASE, values, tmp_path_factory.mktemp("release") / "values.yaml")
+    release.upgrade(cluster, values)
     yield release
     helm("uninstall", release.name, "--namespace", release.namespace, "--wait", "--timeout", "120s",
          cluster=cluster, timeout=180)
