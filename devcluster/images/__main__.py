@@ -1,6 +1,7 @@
 """`python -m disagg.devcluster.images build [NAME ...] [--containerd ADDRESS]`: build the node's images (cached by
 their inputs) and optionally import them into a containerd; `list` prints names, references and cache state;
-`verify-engine` imports vLLM in the engine image's root filesystem with the host mounts."""
+`verify-engine` imports vLLM in the engine image's root filesystem with the host mounts and compiles a kernel with
+torch inductor."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--namespace", default="k8s.io")
     b.add_argument("--ctr", default=None, help="the ctr binary (default: the one `disagg cluster build` made)")
     sub.add_parser("list", help="the images, their references and whether they are built")
-    sub.add_parser("verify-engine", help="import vllm and nixl in a chroot of the engine image with the host mounts")
+    sub.add_parser("verify-engine", help="import vllm and nixl, and compile with inductor, in a chroot of the "
+                   "engine image with the host mounts")
     args = p.parse_args(argv)
     unknown = sorted(set(getattr(args, "names", None) or ()) - set(catalog.BUILDERS))
     if unknown:

@@ -24,6 +24,10 @@ from .artifact import Image, ensure_layout
 from .cache import key_of
 
 MOUNTS_LABEL = "io.disagg.host-mounts"
+ENGINE_BASE = base.BaseSpec(packages=(*base.BaseSpec().packages, "g++"))
+"""The engine's base: vLLM's CPU platform compiles small kernels with torch inductor when a request first needs them
+(logprobs, vllm/v1/sample/ops/logprobs.py; top-k/top-p sampling), and inductor needs a C++ compiler, as vLLM's own
+CPU image has. Without one the engine core dies on the first request that asks for logprobs."""
 
 
 @dataclass(frozen=True)
@@ -63,14 +67,14 @@ def run_config(env: HostEnv) -> oci.RunConfig:
 
 
 def image(env: HostEnv | None = None, spec: base.BaseSpec | None = None) -> Image:
-    env = env or host_env()
+    env, spec = env or host_env(), spec or ENGINE_BASE
     run = run_config(env)
     return Image("vllm-cpu", key_of("engine", base.image(spec).key, vllm_env.RECIPE, run.env, run.cmd,
                                     dict(run.labels)))
 
 
 def ensure(spec: base.BaseSpec | None = None, progress: bool = True) -> Image:
-    spec = spec or base.BaseSpec()
+    spec = spec or ENGINE_BASE
     env = host_env()
     return ensure_layout(image(env, spec), lambda: base.layers(spec, progress), run_config(env))
 
@@ -89,13 +93,16 @@ def chroot_script(rootfs: Path, env: HostEnv, command: str) -> str:
 
 
 VERIFY = ('$DISAGG_PYTHON -c "import vllm, nixl, torch; '
-          'print(\\"vllm\\", vllm.__version__, \\"torch\\", torch.__version__, \\"nixl ok\\")"')
+          'doubled = torch.compile(lambda x: x * 2, backend=\\"inductor\\")(torch.ones(3)); '
+          'assert doubled.tolist() == [2.0, 2.0, 2.0], doubled; '
+          'print(\\"vllm\\", vllm.__version__, \\"torch\\", torch.__version__, \\"nixl and inductor ok\\")"')
 
 
 def verify(spec: base.BaseSpec | None = None, timeout: float = 300) -> str:
     """Import vllm, nixl and torch with the engine image's environment in a chroot of the base root filesystem
-    with the host mounts: proof that the base holds every shared library they load. Returns the output."""
-    rootfs = base.ensure_rootfs(spec or base.BaseSpec())
+    with the host mounts, and compile a kernel with torch inductor: proof that the base holds every shared library
+    they load and the compiler vLLM's CPU sampler needs. Returns the output."""
+    rootfs = base.ensure_rootfs(spec or ENGINE_BASE)
     out = subprocess.run(["unshare", "--mount", "sh", "-c", chroot_script(rootfs, host_env(), VERIFY)],
                          capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:

@@ -59,6 +59,24 @@ def test_greedy_outputs_through_the_router_service_equal_a_single_engines(push, 
     check_outputs(push.router_url, reference, deployed_kv(push, "push"))
 
 
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.load(r)
+
+
+def test_logprobs_and_sampled_requests_are_served_by_the_engine_pods(push):
+    """vLLM's CPU sampler compiles kernels with torch inductor for logprobs and top-k/top-p on first use: the engine
+    image must hold the compiler they need, or the engine core dies on the first such request."""
+    body = {**completion("the engine image holds a compiler"), "logprobs": 2}
+    answer = _post(push.router_url + "/v1/completions", body)["choices"][0]
+    tops = answer["logprobs"]["top_logprobs"]
+    assert len(tops) == body["max_tokens"] and all(len(t) == 2 for t in tops), tops
+    assert "".join(max(t, key=t.get) for t in tops) == answer["text"]  # greedy: each token is its step's top one
+    sampled = {**completion("sampled, not greedy"), "temperature": 0.8, "top_k": 5, "top_p": 0.9, "seed": 7}
+    assert len(_post(push.router_url + "/v1/completions", sampled)["choices"][0]["text"]) > 0
+
+
 def _advertised(d: Deployed) -> dict[str, dict]:
     with urllib.request.urlopen(d.rendezvous_url + "/v1/engines", timeout=10) as r:
         return {e["engine_id"]: e for e in json.load(r)["engines"]}

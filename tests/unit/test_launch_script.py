@@ -107,6 +107,7 @@ def fake_pod(tmp_path: Path) -> Pod:
     pod = Pod(tmp_path, env)
     pod.fake_fi_info(0)
     pod.fake_df(64 * 1024 * 1024)
+    _exe(bin_dir / "g++", "exit 0\n")  # FAKE: the C++ compiler a CPU engine's inductor needs; only its presence counts
     return pod
 
 
@@ -346,3 +347,15 @@ def test_accelerator_engines_leave_the_cpu_binding_alone(fake_pod):
     fake_pod.proc_status(STATUS)
     assert fake_pod.run(script()).returncode == 0
     assert fake_pod.cpu_bind() == "<unset>"
+
+
+@pytest.mark.parametrize("cxx", [None, "clang++"])
+def test_a_cpu_engine_image_without_the_compiler_inductor_runs_fails(fake_pod, cxx):
+    """vLLM's CPU sampler compiles with torch inductor (CXX, else g++) on the first logprobs or top-k/top-p request:
+    an image without that compiler would serve greedy requests and then lose its engine core."""
+    if cxx is None:
+        (fake_pod.root / "bin" / "g++").unlink()
+    else:
+        fake_pod.env["CXX"] = cxx
+    assert_failed_with_one_line(fake_pod.run(cpu_script()), fake_pod, "no C++ compiler", cxx or "g++", "logprobs")
+    assert fake_pod.run(script()).returncode == 0  # an accelerator engine's image is not asked for one

@@ -119,7 +119,7 @@ EXAMPLE_REVISIONS = {
     "llama-trn2.yaml": "27563b",
     "qwen3-32b-p5en-2p1d.yaml": "5fb00e",
     "qwen3-32b-p5en.yaml": "266ca2",
-    "tiny-cpu.yaml": "7021ad",
+    "tiny-cpu.yaml": "5e3db6",
 }
 
 
