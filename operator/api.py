@@ -37,6 +37,8 @@ PUSH_CONNECTORS = frozenset({PUSH_CONNECTOR})
 plugin's pull classes and vendor connectors such as NeuronNixlConnector alike, is read by decode after prefill
 returns: pull mode. The router's protocol follows `mode`, so the two must agree."""
 MAX_ENGINE_REPLICAS = 1000
+DEFAULT_ROLE_REPLICAS = 1
+"""A new deployment's engines per role when spec.<role>.replicas is unset."""
 
 
 def _cel(rule: str, message: str | None = None, *, message_expression: str | None = None,
@@ -319,8 +321,12 @@ class ResourceOverrides(Model):
 class RoleSpec(Model):
     """One role's engines (prefill or decode)."""
 
-    replicas: int = Field(default=1, ge=0, le=MAX_ENGINE_REPLICAS)
-    """Number of engine pods."""
+    replicas: int | None = Field(default=None, ge=0, le=MAX_ENGINE_REPLICAS)
+    """Engine pods asked for. The role runs the count of its DisaggregatedRole <name>-<role> (`kubectl get drole`),
+    whose /scale `kubectl scale`, an HPA or KEDA set; the operator creates it at this count and copies this value
+    into it again only when it changes. So applying the same manifest again keeps a count an autoscaler set, and an
+    edit of this value wins. Unset: the role object keeps its count (1 for a new deployment), which is how to leave
+    the count to an autoscaler entirely. 0 stops the role's engines."""
     tensor_parallel_size: int = Field(default=1, ge=1, le=128)
     """Tensor parallel size (`--tensor-parallel-size`); must fit in one node."""
     pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
@@ -344,6 +350,11 @@ class RoleSpec(Model):
     pod_template: dict[str, Any] | None = Field(default=None,
                                                 json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
     """A partial PodTemplateSpec deep-merged last, for anything this API does not model."""
+
+    @property
+    def initial_replicas(self) -> int:
+        """The role's count in a new deployment: `replicas`, or DEFAULT_ROLE_REPLICAS when unset."""
+        return DEFAULT_ROLE_REPLICAS if self.replicas is None else self.replicas
 
 
 def ranks_per_pod(role: RoleSpec) -> int:
@@ -633,8 +644,9 @@ class DisaggregatedInferenceSpec(Model):
     """How changes to the engines roll out, both roles paced together."""
     autoscaling: AutoscalingSpec | None = None
     """Each role's engine count set by the built-in planner from the observed load, within per-role ranges, for the
-    SLO targets. Unset: the counts are spec.prefill.replicas and spec.decode.replicas. Not acted on yet: the
-    operator validates and stores it, and each role still runs spec.<role>.replicas."""
+    SLO targets. Unset: the counts are the roles' DisaggregatedRole objects' (spec.<role>.replicas, kubectl scale, an
+    HPA or KEDA). Not acted on yet: the operator validates and stores it, and each role still runs its
+    DisaggregatedRole's count."""
 
     # -- derived values: one place decides each default ---------------------------------------------------
     @property
@@ -710,11 +722,14 @@ class RoleStatus(Model):
     """Replica counts of one role."""
 
     desired: int = 0
-    """Replicas requested."""
+    """Replicas the role runs: its DisaggregatedRole's spec.replicas."""
     ready: int = 0
     """Replicas whose engine passes its readiness probe."""
     updated: int = 0
     """Replicas running the current pod template."""
+    spec_replicas: int | None = None
+    """spec.<role>.replicas as the operator last copied it into the role's DisaggregatedRole; it is copied again
+    only when it changes. Unset until a value has been copied."""
 
 
 class RevisionRoleStatus(Model):

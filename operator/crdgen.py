@@ -1,4 +1,4 @@
-"""Generate the CustomResourceDefinition from the typed models in `api.py`.
+"""Generate the CustomResourceDefinitions from the typed models in `api.py` and `role_api.py`.
 
 pydantic emits JSON Schema; Kubernetes wants a *structural* OpenAPI v3 schema: every node typed, no $ref,
 no anyOf for nullability, no additionalProperties beside properties. This module is that translation and
@@ -23,9 +23,10 @@ from typing import Any
 
 import yaml
 
-from . import api
+from . import api, role_api
 
 CRD_FILENAME = f"{api.GROUP}_{api.PLURAL}.yaml"
+ROLE_CRD_FILENAME = f"{api.GROUP}_{role_api.PLURAL}.yaml"
 _DROP = {"title", "additionalProperties", "$defs"}
 
 
@@ -114,22 +115,36 @@ def _apply_defaults(schema: dict[str, Any], model: type[api.Model]) -> None:
             sub["default"] = _compact(inner().dump())
 
 
-def openapi_schema() -> dict[str, Any]:
-    raw = api.DisaggregatedInference.model_json_schema(by_alias=True, mode="validation")
+def _schema_of(model: type[api.Model]) -> dict[str, Any]:
+    """A root kind's structural schema, with nested defaults applied and apiVersion and kind as plain strings."""
+    raw = model.model_json_schema(by_alias=True, mode="validation")
     structural = _structural(raw, raw.get("$defs", {}))
     schema: dict[str, Any] = json.loads(json.dumps(structural))  # no shared nodes: defaults are written per place
-    _apply_defaults(schema, api.DisaggregatedInference)
+    _apply_defaults(schema, model)
     props = schema["properties"]
     props["apiVersion"] = {"type": "string", "description": props["apiVersion"]["description"]}
     props["kind"] = {"type": "string", "description": props["kind"]["description"]}
+    schema["required"] = ["spec"]
+    return schema
+
+
+def openapi_schema() -> dict[str, Any]:
+    schema = _schema_of(api.DisaggregatedInference)
+    props = schema["properties"]
     # The apiserver forbids anything here but `type` and a schema for `name` (or `generateName`), not even a
     # description; it documents ObjectMeta itself. The name's rules reject CRs whose children would be invalid.
     props["metadata"] = {"type": "object", "properties": {"name": {"type": "string",
                                                                    "x-kubernetes-validations": api.NAME_RULES}}}
-    schema["required"] = ["spec"]
     conditions = props["status"]["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]
+    return schema
+
+
+def role_openapi_schema() -> dict[str, Any]:
+    schema = _schema_of(role_api.DisaggregatedRole)
+    # Its name is checked against spec by the root's rule (role_api.ROLE_NAME_RULE), which CEL may read there.
+    schema["properties"]["metadata"] = {"type": "object"}
     return schema
 
 
@@ -174,6 +189,42 @@ def crd() -> dict[str, Any]:
     }
 
 
+def role_crd() -> dict[str, Any]:
+    col = _column
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{role_api.PLURAL}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": role_api.KIND, "listKind": f"{role_api.KIND}List", "plural": role_api.PLURAL,
+                      "singular": role_api.SINGULAR, "shortNames": role_api.SHORT_NAMES,
+                      "categories": ["all", "disagg"]},
+            "versions": [{
+                "name": api.VERSION,
+                "served": True,
+                "storage": True,
+                # What `kubectl scale`, the HPA controller and KEDA read and write.
+                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
+                                                         "statusReplicasPath": ".status.replicas",
+                                                         "labelSelectorPath": ".status.selector"}},
+                "additionalPrinterColumns": [
+                    col("CR", ".spec.deployment", description="the DisaggregatedInference this role belongs to"),
+                    col("Role", ".spec.role"),
+                    col("Desired", ".spec.replicas", "integer", description="the engines the role is scaled to"),
+                    col("Ready", ".status.readyReplicas", "integer",
+                        description="engines Ready and not withdrawn, in every revision"),
+                    col("Current", ".status.replicas", "integer", priority=1,
+                        description="engine pods in every revision, draining ones included"),
+                    col("Age", ".metadata.creationTimestamp", "date"),
+                ],
+                "schema": {"openAPIV3Schema": role_openapi_schema()},
+            }],
+        },
+    }
+
+
 class _Dumper(yaml.SafeDumper):
     def ignore_aliases(self, data: Any) -> bool:  # no &id001 anchors: every node is written out in full
         return True
@@ -188,6 +239,11 @@ def render() -> str:
     return header + yaml.dump(crd(), Dumper=_Dumper, sort_keys=False, width=120)
 
 
+def render_role() -> str:
+    header = "# Generated by `python -m disagg.operator.crdgen` from operator/role_api.py. Do not edit.\n"
+    return header + yaml.dump(role_crd(), Dumper=_Dumper, sort_keys=False, width=120)
+
+
 PEERING_FILENAME = "kopf.dev_peerings.yaml"
 
 
@@ -200,7 +256,7 @@ def render_peering() -> str:
 
 def files() -> dict[str, str]:
     """Every generated file in crds/ (and the chart's crds/), by name."""
-    return {CRD_FILENAME: render(), PEERING_FILENAME: render_peering()}
+    return {CRD_FILENAME: render(), ROLE_CRD_FILENAME: render_role(), PEERING_FILENAME: render_peering()}
 
 
 def main(argv: list[str] | None = None) -> None:

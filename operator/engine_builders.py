@@ -511,7 +511,7 @@ def engine_statefulset(cr: DisaggregatedInference, role_name: str, images: Opera
         "kind": "StatefulSet",
         "metadata": meta,
         "spec": {
-            "replicas": role_spec(cr.spec, role_name).replicas if replicas is None else replicas,
+            "replicas": role_spec(cr.spec, role_name).initial_replicas if replicas is None else replicas,
             "serviceName": names.engine_name(name, role_name),
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},

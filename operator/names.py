@@ -44,6 +44,11 @@ def engine_name(cr: str, role: str) -> str:
     return f"{cr}-{role}"
 
 
+def role_object_name(cr: str, role: str) -> str:
+    """The DisaggregatedRole of one engine role, whose /scale sets the role's count: `<cr>-<role>`."""
+    return engine_name(cr, role)
+
+
 def engine_statefulset_name(cr: str, role: str, revision: str) -> str:
     """The StatefulSet of one role of one revision: `<cr>-<role>-<revision>`."""
     if not _REVISION_RE.match(revision):
@@ -227,6 +232,7 @@ def derived_names(cr: str, namespace: str, max_replicas: int) -> list[DerivedNam
         out += [DerivedName(f"{role} StatefulSet", sts, "dns-1123-subdomain"),
                 DerivedName(f"{role} PodDisruptionBudget", engine_name(cr, role), "dns-1123-subdomain"),
                 DerivedName(f"{role} headless Service", engine_name(cr, role), "dns-1035-label"),
+                DerivedName(f"{role} DisaggregatedRole", role_object_name(cr, role), "dns-1123-subdomain"),
                 DerivedName(f"{role} pod name (its hostname)", pod, "dns-1123-label"),
                 DerivedName(f"{role} pod label statefulset.kubernetes.io/pod-name", pod, "label-value"),
                 DerivedName(f"{role} pod label {STATEFULSET_REVISION_LABEL}",

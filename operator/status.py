@@ -383,7 +383,8 @@ def degradations(observed: Observed, failures: list[PodProblem]) -> list[tuple[s
 def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: Observed, endpoint: str,
                    previous: DisaggregatedInferenceStatus | None, now: str) -> DisaggregatedInferenceStatus:
     prev_conds = {c.type: c for c in previous.conditions} if previous else {}
-    roles = {"prefill": (spec.prefill.replicas, observed.prefill), "decode": (spec.decode.replicas, observed.decode)}
+    roles = {"prefill": (spec.prefill.initial_replicas, observed.prefill),
+             "decode": (spec.decode.initial_replicas, observed.decode)}
 
     pending = []
     for role, (want, st) in roles.items():
@@ -442,8 +443,8 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
         conditions=[ready, progressing, degraded, transport],
         prefill=role_status("prefill"),
         decode=role_status("decode"),
-        prefill_ready=f"{observed.prefill.ready}/{spec.prefill.replicas}",
-        decode_ready=f"{observed.decode.ready}/{spec.decode.replicas}",
+        prefill_ready=f"{observed.prefill.ready}/{spec.prefill.initial_replicas}",
+        decode_ready=f"{observed.decode.ready}/{spec.decode.initial_replicas}",
         endpoint=endpoint,
         connector=spec.connector,
         backend=spec.backend,

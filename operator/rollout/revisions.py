@@ -34,8 +34,12 @@ def policy(spec: DisaggregatedInferenceSpec) -> RolloutPolicy:
                          startup_seconds=r.startup_seconds or spec.profile.startup_seconds)
 
 
-def target(spec: DisaggregatedInferenceSpec, revision: str) -> Target:
-    return Target(revision, names.layout_key(spec), spec.prefill.replicas, spec.decode.replicas)
+def target(spec: DisaggregatedInferenceSpec, revision: str, desired: tuple[int, int] | None = None) -> Target:
+    """The spec's revision at `desired` (prefill, decode): the roles' counts (scale/counts.py). Without them, the
+    counts a new deployment starts at (what `disagg render` shows)."""
+    if desired is None:
+        desired = (spec.prefill.initial_replicas, spec.decode.initial_replicas)
+    return Target(revision, names.layout_key(spec), *desired)
 
 
 def _revision_of(sts: Mapping[str, Any]) -> str:
@@ -102,10 +106,12 @@ def plugin_images(sets: Iterable[RevisionSets]) -> list[tuple[str, str]]:
 
 def observe(spec: DisaggregatedInferenceSpec, revision: str, statefulsets: Iterable[Mapping[str, Any]],
             pods: Iterable[Mapping[str, Any]], advertised: Advertised | None, now: float,
-            rollout_policy: RolloutPolicy) -> tuple[Observed, list[RevisionSets]]:
-    """The planner's input, and the revisions it names. `advertised` None: the engines never advertise (a
-    vendor connector without the plugin), so Ready counts as advertised. The target's revision keeps the
-    target's layout key whatever its StatefulSets say: they are about to be applied with it."""
+            rollout_policy: RolloutPolicy,
+            desired: tuple[int, int] | None = None) -> tuple[Observed, list[RevisionSets]]:
+    """The planner's input, and the revisions it names. `desired`: the roles' counts (`target`). `advertised`
+    None: the engines never advertise (a vendor connector without the plugin), so Ready counts as advertised. The
+    target's revision keeps the target's layout key whatever its StatefulSets say: they are about to be applied
+    with it."""
     pods = list(pods)
     sets = group(statefulsets)
     states: list[RevisionState] = []
@@ -114,7 +120,7 @@ def observe(spec: DisaggregatedInferenceSpec, revision: str, statefulsets: Itera
         listed = advertised if advertised is not None else _ready_pods(pods)
         states.append(revision_state(rs.name, layout, rs.statefulsets.get("prefill"), rs.statefulsets.get("decode"),
                                      pods, listed, now, rollout_policy.startup_seconds))
-    return Observed(target(spec, revision), tuple(states)), sets
+    return Observed(target(spec, revision, desired), tuple(states)), sets
 
 
 def _ready_pods(pods: Iterable[Mapping[str, Any]]) -> dict[str, str]:

@@ -14,6 +14,7 @@ from disagg.operator import api, crdgen
 from support.kube import watch_until
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / crdgen.CRD_FILENAME
+ROLE_CRD_FILE = CRD_FILE.with_name(crdgen.ROLE_CRD_FILENAME)
 
 DisaggregatedInference = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
 
@@ -25,19 +26,21 @@ def _established(crd: CustomResourceDefinition) -> bool:
 
 @pytest.fixture(scope="session")
 def crd_installed(cluster):
-    """The committed CRD from crds/, created (or replaced) on the apiserver and Established.
+    """The committed CRDs of the API from crds/ (DisaggregatedInference and DisaggregatedRole), created (or
+    replaced) on the apiserver and Established.
 
     Yields the lightkube generic resource class for DisaggregatedInference."""
-    crd = codecs.from_dict(yaml.safe_load(CRD_FILE.read_text()))
-    name = crd.metadata.name
-    try:
-        cluster.client.create(crd)
-    except ApiError as e:
-        if e.status.code != 409:
-            raise
-        crd.metadata.resourceVersion = cluster.client.get(CustomResourceDefinition, name).metadata.resourceVersion
-        cluster.client.replace(crd)
-    watch_until(cluster, CustomResourceDefinition, name, _established, timeout=30, what="Established")
+    for path in (CRD_FILE, ROLE_CRD_FILE):
+        crd = codecs.from_dict(yaml.safe_load(path.read_text()))
+        name = crd.metadata.name
+        try:
+            cluster.client.create(crd)
+        except ApiError as e:
+            if e.status.code != 409:
+                raise
+            crd.metadata.resourceVersion = cluster.client.get(CustomResourceDefinition, name).metadata.resourceVersion
+            cluster.client.replace(crd)
+        watch_until(cluster, CustomResourceDefinition, name, _established, timeout=30, what="Established")
     yield DisaggregatedInference
 
 

@@ -199,8 +199,9 @@ def test_minimal_spec_is_created_with_defaults_filled_in(cluster, crd_installed,
     spec = obj.spec
     assert spec["kvTransfer"]["mode"] == "push"
     assert spec["engine"]["blockSize"] == 128
-    assert spec["prefill"]["replicas"] == 1
-    assert spec["decode"]["replicas"] == 1
+    # No default count: an unset spec.<role>.replicas leaves the count to the role's DisaggregatedRole (/scale).
+    assert "replicas" not in spec["prefill"] and "replicas" not in spec["decode"]
+    assert spec["prefill"]["tensorParallelSize"] == 1
     assert spec["accelerator"]["efa"] == "auto"
     assert spec["router"]["serviceType"] == "ClusterIP"
     # What the apiserver stores is exactly what the models default to, and the operator can parse it.

@@ -50,11 +50,11 @@ def install_cleanup(cluster):
 def test_install_base_applies_and_runs_the_operator(cluster, crd_installed, install_cleanup):
     objs = build(INSTALL)
     kinds = sorted(o["kind"] for o in objs)
-    assert kinds == sorted(["CustomResourceDefinition"] * 3 + ["Namespace", "ServiceAccount", "ClusterRole",
+    assert kinds == sorted(["CustomResourceDefinition"] * 4 + ["Namespace", "ServiceAccount", "ClusterRole",
                                                                "ClusterRoleBinding", "Service",
                                                                "PodDisruptionBudget", "Deployment"])
-    assert [o["kind"] for o in objs][:4].count("CustomResourceDefinition") + \
-        [o["kind"] for o in objs][:4].count("Namespace") == 4, "kustomize orders Namespace and CRDs first"
+    assert [o["kind"] for o in objs][:5].count("CustomResourceDefinition") + \
+        [o["kind"] for o in objs][:5].count("Namespace") == 5, "kustomize orders Namespace and CRDs first"
 
     # A server-side dry run cannot create the namespace it then validates objects in, so GitOps tools create the
     # namespace first (Argo CD: CreateNamespace=true or a sync wave; Flux: the Namespace in an earlier

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from disagg.operator import api, crdgen
+from disagg.operator import api, crdgen, role_api
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / crdgen.CRD_FILENAME
@@ -103,6 +103,10 @@ def test_every_property_has_a_description(schema):
 
 
 def test_schema_is_structural(schema):
+    assert structural_problems(schema) == []
+
+
+def structural_problems(schema: dict[str, Any]) -> list[str]:
     problems = []
     for path, node, _ in walk(schema):
         where = path or "<root>"
@@ -125,7 +129,7 @@ def test_schema_is_structural(schema):
             for req in node.get("required", []):
                 if req not in node.get("properties", {}):
                     problems.append(f"{where}: required {req} is not a property")
-    assert problems == []
+    return problems
 
 
 def test_cel_rules_name_real_fields_and_avoid_unbounded_string_concat(schema):
@@ -148,7 +152,9 @@ def test_nested_objects_default_to_their_full_model_defaults(schema):
     assert spec["kvTransfer"]["default"] == {"mode": "push", "bidirectional": False, "sideChannelPort": 5600,
                                              "leaseSeconds": 30, "registrationTimeoutSeconds": 60}
     assert spec["engine"]["default"]["blockSize"] == 128
-    assert spec["prefill"]["default"]["replicas"] == 1
+    assert spec["prefill"]["default"]["tensorParallelSize"] == 1
+    # No default count: an unset spec.<role>.replicas leaves the role's count to its DisaggregatedRole (/scale).
+    assert "replicas" not in spec["prefill"]["default"] and "default" not in spec["prefill"]["properties"]["replicas"]
     assert spec["model"]["properties"]["source"]["default"] == {}
     # Optional objects have no default: defaulting pvc or hub would break "at most one of pvc and hub".
     source = spec["model"]["properties"]["source"]["properties"]
@@ -235,3 +241,43 @@ def test_cpu_profile_fields_are_documented_from_the_profile_constants(schema):
     assert f"{CPU_ENGINES_LABEL}={CPU_ENGINES_VALUE}" in profile["description"]
     assert f"{CPU_ENGINES_LABEL}={CPU_ENGINES_VALUE}:{CPU_ENGINES_TAINT['effect']}" in profile["description"]
     assert api.AcceleratorSpec.model_validate({"profile": "cpu", "kvCacheGiB": 2}).kv_cache_gib == 2
+
+
+# -- DisaggregatedRole: one role's count, with the scale subresource ------------------------------------------
+@pytest.fixture(scope="module")
+def role_crd() -> dict[str, Any]:
+    return yaml.safe_load(crdgen.render_role())
+
+
+def test_the_role_crd_has_the_scale_subresource_hpa_and_keda_use(role_crd):
+    version = role_crd["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector"}}
+    schema = version["schema"]["openAPIV3Schema"]
+    for path in (".spec.replicas", ".status.replicas", ".status.selector"):
+        node = schema
+        for part in path.strip(".").split("."):
+            node = node["properties"][part]
+        assert node["type"] == ("string" if path.endswith("selector") else "integer"), path
+    assert role_crd["spec"]["names"]["shortNames"] == ["drole"] and role_crd["spec"]["scope"] == "Namespaced"
+    assert [(c["name"], c["jsonPath"]) for c in version["additionalPrinterColumns"]] == [
+        ("CR", ".spec.deployment"), ("Role", ".spec.role"), ("Desired", ".spec.replicas"),
+        ("Ready", ".status.readyReplicas"), ("Current", ".status.replicas"), ("Age", ".metadata.creationTimestamp")]
+
+
+def test_the_role_schema_is_structural_documented_and_guards_its_fields(role_crd):
+    schema = role_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert structural_problems(schema) == []
+    missing = [p for p, node, is_prop in walk(schema)
+               if is_prop and p != ".metadata" and not str(node.get("description", "")).strip()]
+    assert missing == [], f"properties without a description (kubectl explain drole): {missing}"
+    spec = schema["properties"]["spec"]
+    assert sorted(spec["required"]) == ["deployment", "replicas", "role"]
+    replicas = spec["properties"]["replicas"]
+    assert (replicas["minimum"], replicas["maximum"]) == (0, api.MAX_ENGINE_REPLICAS) and "default" not in replicas
+    for field in ("deployment", "role"):
+        assert spec["properties"][field]["x-kubernetes-validations"][0]["rule"] == "self == oldSelf", "immutable"
+    assert spec["properties"]["deployment"]["maxLength"] == api.NAME_LIMIT.length
+    assert spec["properties"]["role"]["enum"] == ["prefill", "decode"]
+    assert schema["x-kubernetes-validations"] == [role_api.ROLE_NAME_RULE]

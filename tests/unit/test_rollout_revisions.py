@@ -50,6 +50,14 @@ def test_statefulsets_made_before_revisions_are_one_older_revision_with_their_en
     assert observed.target.prefill == observed.target.decode == 2
 
 
+def test_the_target_is_the_roles_counts_else_what_a_new_deployment_starts_at():
+    spec = make_cr({"prefill": {"replicas": 2}}).spec
+    assert (revisions.target(spec, REV).prefill, revisions.target(spec, REV).decode) == (2, 1), \
+        "spec.decode.replicas unset: a new deployment's 1"
+    observed, _ = revisions.observe(spec, REV, [], [], {}, 1e10, revisions.policy(spec), desired=(2, 5))
+    assert (observed.target.prefill, observed.target.decode) == (2, 5), "what the role objects say (/scale)"
+
+
 def test_without_the_plugin_ready_counts_as_advertised():
     spec = make_cr({"kvTransfer": {"connector": "LMCacheConnectorV1"}}).spec
     observed, _ = revisions.observe(spec, REV, [sts("prefill", 1), sts("decode", 1)],
