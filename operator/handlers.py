@@ -13,6 +13,9 @@ Triggers:
 - the kubelet cannot mount an engine pod's volume (a FailedMount Event on the pod) → status pass. The pod's
   status does not show it; the operator watches the Events with reason FailedMount (server-side) and keeps its
   engine pods' in an index;
+- a role object (DisaggregatedRole, the /scale of one role) got a new spec (`kubectl scale`, an HPA, KEDA) or was
+  deleted → status pass: every pass decides each role's count and (re)writes the role objects (scale_executor.py)
+  before the rollout moves toward it; the echoes of the operator's own writes are not news (RoleScaler.changed);
 - a periodic resync → thorough full pass (drift correction; writes nothing when nothing drifted), once the
   passes waiting for a slot have gone (resync_forever);
 - the engines' reported transport changed in the deployment's rendezvous → status pass. A poll loop reads
@@ -43,10 +46,14 @@ from typing import Any, Protocol, TypedDict, cast
 import kopf
 from pydantic import ValidationError
 
-from . import api, metrics, names
+from . import api, metrics, names, role_api
 from .generations import Generations
 from .meta import timestamp
 from .reconciler import ApplyFailed, Key, Reconciler
+from .rollout.state import Role
+from .scale.counts import LiveRole, RoleScale
+from .scale.objects import live_role
+from .scale_executor import RoleSync
 from .slots import Slots
 from .status import (
     FAILED_CREATE,
@@ -119,6 +126,7 @@ WorkloadIndex = kopf.Index[WorkloadKey, WorkloadState]
 PodProblemIndex = kopf.Index[Key, tuple[PodProblem, ...]]  # (namespace, CR name): one tuple per pod with problems
 StsEventIndex = kopf.Index[Key, PodCreateEvent]  # (namespace, StatefulSet name)
 PodEventIndex = kopf.Index[Key, PodEvent]  # (namespace, engine pod name)
+RoleIndex = kopf.Index[Key, tuple[Role, LiveRole]]  # (namespace, CR name): its DisaggregatedRole objects
 
 
 class Indexes(TypedDict):
@@ -131,6 +139,7 @@ class Indexes(TypedDict):
     pod_problem_index: PodProblemIndex
     sts_event_index: StsEventIndex
     pod_event_index: PodEventIndex
+    role_index: RoleIndex
 
 
 @kopf.index(*CR)
@@ -244,6 +253,36 @@ def pod_event_index(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Ke
                                        str(body.get("note") or ""), _event_time(body))}
 
 
+ROLE_OBJECTS = (api.GROUP, api.VERSION, role_api.PLURAL)
+
+
+def _role_of(body: Mapping[str, Any]) -> tuple[str, Role] | None:
+    """(CR name, role) a role object says it belongs to (its spec; the CRD holds its name to them)."""
+    spec = body.get("spec") or {}
+    deployment, role = spec.get("deployment"), spec.get("role")
+    if not deployment or role not in names.ENGINE_ROLES:
+        return None
+    return str(deployment), cast(Role, role)
+
+
+@kopf.index(*ROLE_OBJECTS)
+def role_index(namespace: str | None, body: kopf.Body, **_: Any) -> dict[Key, tuple[Role, LiveRole]] | None:
+    """Every DisaggregatedRole, by its CR: the role objects whose counts the roles run. Not filtered by label: a
+    role object someone else made for a CR is adopted (scale/counts.py)."""
+    owner = _role_of(body)
+    if namespace is None or owner is None:
+        return None
+    return {(namespace, owner[0]): (owner[1], live_role(body))}
+
+
+def _live_roles(index: RoleIndex, key: Key) -> dict[Role, LiveRole | None]:
+    found: dict[Role, LiveRole | None] = {}
+    for role, live in index.get(key) or ():
+        if live.name == names.role_object_name(key[1], role):
+            found[role] = live
+    return found
+
+
 def _one(index: WorkloadIndex, key: WorkloadKey) -> WorkloadState:
     store = index.get(key)
     return next(iter(store), WorkloadState()) if store else WorkloadState()
@@ -260,7 +299,8 @@ def _current(statefulsets: list[dict[str, Any]], revision: str | None, role: str
 def observe(namespace: str, name: str, revision: str, statefulsets: list[dict[str, Any]], deploys: WorkloadIndex,
             pods: PodProblemIndex, transport: TransportReport | None = None, sts_events: StsEventIndex | None = None,
             apply_error: str | None = None, rollout: RolloutView | None = None,
-            engine_pods: list[dict[str, Any]] | None = None, pod_events: PodEventIndex | None = None) -> Observed:
+            engine_pods: list[dict[str, Any]] | None = None, pod_events: PodEventIndex | None = None,
+            scales: Mapping[Role, RoleScale] | None = None) -> Observed:
     """Status' view of a CR's children; `prefill` and `decode` are those of `revision`, the current one. A pod's
     problems are what its status shows (`pods`) and, for engine pods, a volume the kubelet cannot mount (its
     FailedMount Events)."""
@@ -281,14 +321,14 @@ def observe(namespace: str, name: str, revision: str, statefulsets: list[dict[st
             failures.append(CreateFailure(role, message))
     return Observed(prefill=roles["prefill"], decode=roles["decode"], router=_one(deploys, (namespace, name, "router")),
                     problems=problems, transport=transport, create_failures=tuple(failures), apply_error=apply_error,
-                    rollout=rollout)
+                    rollout=rollout, scales={str(role): scale for role, scale in (scales or {}).items()})
 
 
 # -- the passes -----------------------------------------------------------------------------------------
 async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, trigger: str,
                    dinf_index: DinfIndex, sts_index: StsIndex, engine_pod_index: PodIndex, deploy_index: WorkloadIndex,
                    pod_problem_index: PodProblemIndex, sts_event_index: StsEventIndex, pod_event_index: PodEventIndex,
-                   logger: kopf.Logger) -> None:
+                   role_index: RoleIndex, logger: kopf.Logger) -> None:
     reconciler: Reconciler = memo.reconciler
     transports: TransportPoller = memo.transports
     key = (namespace, name)
@@ -339,7 +379,12 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         if cr.spec.advertises:
             transports.request(key)  # in the background, when the cached answer is old or missing
             report = transports.report(key)
-        # Every pass, status passes too: engines becoming Ready or leaving are what move a rollout on.
+        # Every pass, status passes too: each role's count (what /scale set, or a changed spec.<role>.replicas),
+        # then the rollout toward it; engines becoming Ready or leaving are what move a rollout on.
+        roles = await reconciler.scale.sync(cr, _live_roles(role_index, key), still_there)
+        if roles.gone:
+            return
+        _post_role_writes(memo, body, roles)
         statefulsets = list(sts_index.get(key) or ())
         engine_pods = list(engine_pod_index.get(key) or ())
         rollout: RolloutView | None = None
@@ -350,7 +395,7 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
             try:
                 rollout = await reconciler.advance_rollout(cr, statefulsets, engine_pods, report, post,
                                                            thorough=thorough,
-                                                           still_there=still_there)
+                                                           still_there=still_there, desired=roles.desired())
             except ApplyFailed as e:
                 if e.code == 403 and "being terminated" in str(e):
                     return
@@ -361,15 +406,21 @@ async def run_pass(memo: kopf.Memo, namespace: str, name: str, *, full: bool, tr
         # A refused child stays in Degraded (reconciler.apply_error) until a full pass applies every child.
         # (rendering both templates costs: the rollout's revision when it has one)
         revision = rollout.revision if rollout else reconciler.revision(cr, statefulsets).revision
+        # A refused role object is reported like a refused child; only a full pass is retried for it (the rollout
+        # moved anyway, on the counts the roles run).
+        if full and failed is None and roles.error is not None:
+            failed = ApplyFailed(roles.error, roles.code)
+        refusal = reconciler.apply_error(key) or (str(failed) if failed else None) or roles.error
         observed = observe(namespace, name, revision, statefulsets, deploy_index, pod_problem_index, report,
-                           sts_event_index, reconciler.apply_error(key) or (str(failed) if failed else None), rollout,
-                           engine_pods, pod_event_index)
+                           sts_event_index, refusal, rollout, engine_pods, pod_event_index, roles.scales)
         # Read the rendezvous again now, not at the next poll, when it lags the pods: its answer, if it changed,
         # triggers a status pass (transport_changed), which is also what moves a rollout waiting for engines.
         behind = transport_behind(observed.prefill.ready + observed.decode.ready, report)
         if cr.spec.advertises and (behind or (rollout is not None and rollout.unlisted)):
             transports.request(key, force=True)
         status = await reconciler.publish_status(cr, observed)
+        if rollout is not None:
+            await reconciler.scale.publish(cr, roles, list(rollout.revisions))
         event = reconciler.transport_event(key, cr.status, status) if status is not None else None
         if event is not None:
             kind, reason, message = event
@@ -422,6 +473,13 @@ def post_event(memo: kopf.Memo, post: PostFn, body: kopf.Body, reason: str, mess
                                                          reason, message)
             return
         context.run(post, body, reason=reason, message=message)
+
+
+def _post_role_writes(memo: kopf.Memo, body: kopf.Body, roles: RoleSync) -> None:
+    if roles.created:
+        post_event(memo, kopf.info, body, "Created", "created " + ", ".join(roles.created))
+    if roles.updated:
+        post_event(memo, kopf.info, body, "Updated", "updated " + ", ".join(roles.updated))
 
 
 def _first_error(e: ValidationError) -> str:
@@ -497,7 +555,7 @@ def _indexes(memo: kopf.Memo, kw: dict[str, Any]) -> Indexes:
     indexes = Indexes(dinf_index=kw["dinf_index"], sts_index=kw["sts_index"], engine_pod_index=kw["engine_pod_index"],
                       deploy_index=kw["deploy_index"],
                       pod_problem_index=kw["pod_problem_index"], sts_event_index=kw["sts_event_index"],
-                      pod_event_index=kw["pod_event_index"])
+                      pod_event_index=kw["pod_event_index"], role_index=kw["role_index"])
     memo.shared["indexes"] = indexes
     memo.shared["context"] = contextvars.copy_context()  # for post_event outside handlers
     return indexes
@@ -664,3 +722,19 @@ async def engine_pod_event(namespace: str | None, labels: kopf.Labels, memo: kop
     if (namespace, owner) in kw["dinf_index"]:
         await run_pass(memo, namespace, owner, full=False, trigger="pod-event", logger=logger,
                        **_indexes(memo, kw))
+
+
+@kopf.on.event(*ROLE_OBJECTS, id="role-objects")
+async def role_event(type: str | None, body: kopf.Body, namespace: str | None, memo: kopf.Memo, logger: kopf.Logger,
+                     **kw: Any) -> None:
+    """A role's count changed (`kubectl scale`, an HPA, KEDA) or its role object was deleted: a status pass decides
+    the counts again (and recreates a deleted one), and the rollout moves toward them."""
+    owner = _role_of(body)
+    if namespace is None or owner is None or (namespace, owner[0]) not in kw["dinf_index"]:
+        return
+    reconciler: Reconciler = memo.reconciler
+    if not reconciler.scale.changed(namespace, body, deleted=type == "DELETED"):
+        return
+    if type == "DELETED" and not await reconciler.exists(namespace, owner[0]):
+        return  # the garbage collector is removing the objects of a deleted CR: do not recreate them
+    await run_pass(memo, namespace, owner[0], full=False, trigger="role-event", logger=logger, **_indexes(memo, kw))

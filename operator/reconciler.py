@@ -36,6 +36,7 @@ from .plan import Applied, ApplyPlan, ChildKey, child_key, child_marker, digest,
 from .rollout import revisions
 from .rollout.state import RevisionState, Role, RoleState
 from .rollout_executor import EventFn, RolloutExecutor, RolloutFailed, summary
+from .scale_executor import RoleScaler
 from .slots import Slots
 from .status import (
     TRANSPORT_VERIFIED,
@@ -161,6 +162,7 @@ class Reconciler:
         # (uid, resourceVersion, each running revision's plugin image) -> the revision and its images
         self._revisions: dict[Key, tuple[tuple[str, str, tuple[tuple[str, str], ...]], Pinned]] = {}
         self.rollout = RolloutExecutor(client, self._apply_recorded, self.log)
+        self.scale = RoleScaler(client, self.log)
 
     # -- children ----------------------------------------------------------------------------------------
     def still_there(self, namespace: str, name: str) -> StillThere:
@@ -236,10 +238,12 @@ class Reconciler:
     # -- the engines' rollout ------------------------------------------------------------------------------
     async def advance_rollout(self, cr: api.DisaggregatedInference, statefulsets: list[dict[str, Any]],
                               pods: list[dict[str, Any]], report: TransportReport | None, event: EventFn,
-                              thorough: bool = False, still_there: StillThere | None = None) -> RolloutView | None:
+                              thorough: bool = False, still_there: StillThere | None = None,
+                              desired: tuple[int, int] | None = None) -> RolloutView | None:
         """Observe the engines' revisions, repair the current revision's StatefulSets if they drifted, and take
-        at most one rollout step (rollout_executor.py). Returns None when `still_there` finds the CR deleted
-        before a write. Raises ApplyFailed when a write is refused."""
+        at most one rollout step (rollout_executor.py) toward `desired` (prefill, decode): the roles' counts
+        (scale_executor.py). Returns None when `still_there` finds the CR deleted before a write. Raises
+        ApplyFailed when a write is refused."""
         key = (meta_namespace(cr), meta_name(cr))
         still_there = still_there or self.still_there(*key)
         pinned = self.revision(cr, statefulsets)
@@ -249,7 +253,8 @@ class Reconciler:
             advertised = {} if report is None or report.error else {
                 e.engine: e.pod_uid for e in report.engines if e.pod_uid}
         policy = revisions.policy(cr.spec)
-        observed, sets = revisions.observe(cr.spec, revision, statefulsets, pods, advertised, time.time(), policy)
+        observed, sets = revisions.observe(cr.spec, revision, statefulsets, pods, advertised, time.time(), policy,
+                                           desired)
 
         def build(role: Role, replicas: int) -> dict[str, Any]:
             return engine_statefulset(cr, role, pinned.images, revision, replicas)
@@ -506,6 +511,7 @@ class Reconciler:
         self._drift_owners.discard(key)
         self._verify.discard(key)
         self.rollout.forget(key)
+        self.scale.forget(key)
 
 
 def _revision_status(rev: RevisionState, current: str) -> api.RevisionStatus:

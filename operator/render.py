@@ -10,6 +10,9 @@ import yaml
 from .api import KIND, DisaggregatedInference
 from .builders import OperatorImages, build_children
 from .meta import DEFAULT_IMAGES
+from .rollout.state import ROLES
+from .scale.counts import RoleWrite
+from .scale.objects import role_object
 
 
 class RenderError(Exception):
@@ -68,12 +71,17 @@ def load_crs(text: str, source: str) -> list[DisaggregatedInference]:
 
 
 def render(text: str, *, source: str = "<input>", images: OperatorImages = DEFAULT_IMAGES) -> str:
+    """Every child, and each role's DisaggregatedRole as the operator first creates it (it then keeps the count
+    /scale sets: scale/counts.py)."""
     children: list[dict[str, Any]] = []
     for cr in load_crs(text, source):
         try:
             children += build_children(cr, images=images)
         except ValueError as exc:
             raise RenderError(f"{source}: {exc}") from exc
+        for role in ROLES:
+            asked = cr.spec.prefill if role == "prefill" else cr.spec.decode
+            children.append(role_object(cr, role, RoleWrite(asked.initial_replicas, asked.replicas)))
     return yaml.dump_all(children, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120)
 
 

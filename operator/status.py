@@ -2,7 +2,8 @@
 
 Invariants:
 - `Ready` is True only when every role has all desired replicas ready and updated in the current revision, no
-  older revision runs engines, and the router is ready.
+  older revision runs engines, and the router is ready. A role's desired replicas are its DisaggregatedRole's
+  count (`Observed.scales`, scale/counts.py), which spec.<role>.replicas sets only when it changes.
 - `Progressing` is True (RollingOut) while the rollout moves, any role or the router is not settled; False with
   reason Blocked when the rollout cannot move (its message says why), False with reason Complete otherwise.
 - `Degraded` is True, with the first of these that holds as its reason and the others named after its message:
@@ -28,10 +29,12 @@ Invariants:
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .api import Condition, DisaggregatedInferenceSpec, DisaggregatedInferenceStatus, RevisionStatus, RoleStatus
+from .scale.counts import RoleScale
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,9 @@ class Observed:
     create_failures: tuple[CreateFailure, ...] = ()
     apply_error: str | None = None  # the apiserver's refusal of a child in the last full pass, if it failed
     rollout: RolloutView | None = None  # None: not observed in this pass (status keeps what it said)
+    # What each role runs, from its DisaggregatedRole (scale/counts.py); a role missing here runs the count a new
+    # deployment starts at.
+    scales: Mapping[str, RoleScale] = field(default_factory=dict)
 
 
 def workload_state(obj: dict[str, Any] | None) -> WorkloadState:
@@ -383,8 +389,11 @@ def degradations(observed: Observed, failures: list[PodProblem]) -> list[tuple[s
 def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: Observed, endpoint: str,
                    previous: DisaggregatedInferenceStatus | None, now: str) -> DisaggregatedInferenceStatus:
     prev_conds = {c.type: c for c in previous.conditions} if previous else {}
-    roles = {"prefill": (spec.prefill.initial_replicas, observed.prefill),
-             "decode": (spec.decode.initial_replicas, observed.decode)}
+    def desired(role: str) -> int:
+        scale = observed.scales.get(role)
+        return scale.desired if scale else (spec.prefill if role == "prefill" else spec.decode).initial_replicas
+
+    roles = {"prefill": (desired("prefill"), observed.prefill), "decode": (desired("decode"), observed.decode)}
 
     pending = []
     for role, (want, st) in roles.items():
@@ -436,15 +445,17 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
 
     def role_status(role: str) -> RoleStatus:
         want, st = roles[role]
-        return RoleStatus(desired=want, ready=st.ready, updated=st.updated)
+        scale = observed.scales.get(role)
+        return RoleStatus(desired=want, ready=st.ready, updated=st.updated,
+                          spec_replicas=scale.spec_replicas if scale else None)
 
     return DisaggregatedInferenceStatus(
         observed_generation=generation,
         conditions=[ready, progressing, degraded, transport],
         prefill=role_status("prefill"),
         decode=role_status("decode"),
-        prefill_ready=f"{observed.prefill.ready}/{spec.prefill.initial_replicas}",
-        decode_ready=f"{observed.decode.ready}/{spec.decode.initial_replicas}",
+        prefill_ready=f"{observed.prefill.ready}/{roles['prefill'][0]}",
+        decode_ready=f"{observed.decode.ready}/{roles['decode'][0]}",
         endpoint=endpoint,
         connector=spec.connector,
         backend=spec.backend,

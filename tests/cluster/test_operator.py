@@ -69,8 +69,9 @@ def test_examples_become_ready_on_the_right_nodes(cluster, operator, namespace, 
                                                   per_pod, efa, prefill, decode, backend):
     name = create(cluster, namespace, example(file))
     dinf = watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=90, what="Ready")
-    assert dinf.status["prefill"] == {"desired": prefill, "ready": prefill, "updated": prefill}
-    assert dinf.status["decode"] == {"desired": decode, "ready": decode, "updated": decode}
+    # specReplicas: spec.<role>.replicas as copied into the role's DisaggregatedRole (the examples set it).
+    assert dinf.status["prefill"] == {"desired": prefill, "ready": prefill, "updated": prefill, "specReplicas": prefill}
+    assert dinf.status["decode"] == {"desired": decode, "ready": decode, "updated": decode, "specReplicas": decode}
     assert dinf.status["backend"] == backend
     assert dinf.status["endpoint"].startswith(f"http://{name}-router.{namespace}.svc")
     assert children(cluster, namespace, name).keys() == expected(cluster, namespace, name)

@@ -53,7 +53,10 @@ def test_render_prints_every_child_as_a_yaml_stream(capsys, cr_file):
         ("ServiceAccount", "qwen-rendezvous"), ("ClusterRoleBinding", "disagg-rendezvous:ml:qwen"),
         ("Service", "qwen-prefill"), ("StatefulSet", f"qwen-prefill-{rev}"), ("PodDisruptionBudget", "qwen-prefill"),
         ("Service", "qwen-decode"), ("StatefulSet", f"qwen-decode-{rev}"), ("PodDisruptionBudget", "qwen-decode"),
-        ("Service", "qwen-router"), ("Deployment", "qwen-router")])
+        ("Service", "qwen-router"), ("Deployment", "qwen-router"),
+        ("DisaggregatedRole", "qwen-prefill"), ("DisaggregatedRole", "qwen-decode")])
+    [role] = [d for d in docs if d["kind"] == "DisaggregatedRole" and d["metadata"]["name"] == "qwen-decode"]
+    assert role["spec"] == {"deployment": "qwen", "role": "decode", "replicas": 2}
     for doc in docs:
         # The rendezvous' ClusterRoleBinding (spec.rendezvous.auth: kubernetes) has no namespace.
         assert doc["metadata"].get("namespace") == (None if doc["kind"] == "ClusterRoleBinding" else "ml")
@@ -139,7 +142,7 @@ def test_command_line_entry_point(cr_file):
     ok = subprocess.run([sys.executable, "-m", "disagg.cli", "render", "-f", str(cr_file)],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
-    assert len(list(yaml.safe_load_all(ok.stdout))) == 13
+    assert len(list(yaml.safe_load_all(ok.stdout))) == 15, "13 children and 2 DisaggregatedRoles"
     bad = subprocess.run([sys.executable, "-m", "disagg.cli", "render", "-f", "-"],
                          input=CR.replace("nvidia-h200", "h300"), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "spec.accelerator.profile" in bad.stderr

@@ -8,6 +8,7 @@ import pytest
 from disagg.operator.api import Condition, DisaggregatedInferenceSpec, DisaggregatedInferenceStatus, RoleStatus
 from disagg.operator.builders import OperatorImages
 from disagg.operator.reconciler import Coalescer, Reconciler
+from disagg.operator.scale.counts import RoleScale
 from disagg.operator.status import (
     CreateFailure,
     EngineTransport,
@@ -52,6 +53,19 @@ def test_ready_only_when_every_role_and_router_settled():
     assert "prefill 1/2 ready" in conds(st)["Progressing"]["message"]
     missing = compute_status(SPEC, 3, Observed(), "http://e", None, "t1")
     assert "not created yet" in conds(missing)["Ready"]["message"]
+
+
+def test_each_role_is_desired_at_its_role_objects_count_not_the_specs():
+    """spec.prefill.replicas says 2; /scale set prefill's role object to 3 (scale/counts.py decided it)."""
+    scales = {"prefill": RoleScale("prefill", 3, 2), "decode": RoleScale("decode", 1, None)}
+    short = Observed(prefill=SETTLED.prefill, decode=SETTLED.decode, router=SETTLED.router, scales=scales)
+    st = compute_status(SPEC, 3, short, "e", None, "t")
+    assert st.prefill == RoleStatus(desired=3, ready=2, updated=2, spec_replicas=2) and st.prefill_ready == "2/3"
+    assert st.decode.spec_replicas is None and st.decode_ready == "1/1"
+    assert conds(st)["Ready"]["status"] == "False" and "prefill 2/3 ready" in conds(st)["Ready"]["message"]
+    grown = Observed(prefill=WorkloadState(3, 3, 3, 3, True, True), decode=SETTLED.decode, router=SETTLED.router,
+                     scales=scales)
+    assert conds(compute_status(SPEC, 3, grown, "e", None, "t"))["Ready"]["status"] == "True"
 
 
 def test_stale_observed_generation_is_not_settled():

@@ -101,6 +101,17 @@ delete the operator holds is on its rendezvous ClusterRoleBindings, in clusterRu
 - apiGroups: ["serving.disagg.io"]
   resources: ["disaggregatedinferences/finalizers"]
   verbs: ["update"]
+# DisaggregatedRole, one per CR and role (<cr>-prefill, <cr>-decode), whose /scale kubectl scale, an HPA or KEDA
+# write: the operator creates each one, owned by its CR (the garbage collector deletes it), reads one back when its
+# create or update conflicts (get), updates its count and owner only on the resourceVersion it read (patch), and
+# kopf indexes and watches them (list, watch). The operator itself never writes /scale.
+- apiGroups: ["serving.disagg.io"]
+  resources: ["disaggregatedroles"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# The role objects' status: replicas, readyReplicas and the engine pods' selector, which /scale reports.
+- apiGroups: ["serving.disagg.io"]
+  resources: ["disaggregatedroles/status"]
+  verbs: ["patch"]
 # Children: server-side apply (patch, and create when the child does not exist yet); kopf indexes and watches
 # them (list, watch) to publish status and to put back hand edits and deletions.
 - apiGroups: ["apps"]
