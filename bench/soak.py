@@ -74,7 +74,8 @@ def log(msg: str) -> None:
 class Sent:
     kind: str  # "background" or "verify"
     at: float  # seconds since the load began
-    window: str
+    window: str  # the window it was sent in
+    done: float | None = None  # seconds since the load began, when its answer ended (or failed)
     status: int = 0
     wrong: bool = False
     error: str | None = None
@@ -122,6 +123,7 @@ class Load:
         report = storm.StormReport()
         await storm.background(session, self.url, rng, (64, 320), report)
         r.status, r.ttft = report.background[0]
+        r.done = round(time.monotonic() - self.t0, 3)
 
     async def _verify(self, session: aiohttp.ClientSession, r: Sent, rng: random.Random) -> None:
         i = rng.randrange(len(self.references))
@@ -129,6 +131,7 @@ class Load:
         r.status = v.status
         r.wrong = v.status == 200 and v.text != self.references[i].text
         r.error = None if v.status == 200 else (v.text or "")[:200]
+        r.done = round(time.monotonic() - self.t0, 3)
 
     def stop(self) -> None:
         self._stop.set()
@@ -275,6 +278,24 @@ async def await_recovered(dep: Deployment, load: Load, timeout: float) -> float 
     return None
 
 
+def restarts(dep: Deployment, seen: dict[tuple[str, str], int], at: float) -> list[dict[str, Any]]:
+    """Containers of the soak's pods that restarted since last seen, each with the tail of its previous run's log.
+    A deleted pod comes back as a new pod at restart count 0, so every restart here is a crash of its own."""
+    found = []
+    for pod in dep.pods():
+        for status in (pod.status.containerStatuses or []) if pod.status else []:
+            key = (pod.metadata.uid, status.name)
+            if status.restartCount > seen.get(key, 0):
+                out = subprocess.run([str(dep.c.bin / "kubectl"), f"--kubeconfig={dep.c.kubeconfig}", "logs", "-n",
+                                      NAMESPACE, pod.metadata.name, "-c", status.name, "--previous", "--tail=150"],
+                                     capture_output=True, text=True)
+                found.append({"at_s": round(at, 1), "pod": pod.metadata.name, "container": status.name,
+                              "restarts": status.restartCount, "previous_log": (out.stdout + out.stderr)[-20000:]})
+                log(f"  {pod.metadata.name}/{status.name} restarted on its own ({status.restartCount})")
+            seen[key] = status.restartCount
+    return found
+
+
 # -- memory ----------------------------------------------------------------------------------------------------------
 def rss_by_component() -> dict[str, int]:
     """KiB of resident memory of every `disagg router` and `disagg rendezvous` process on this host (the pods'),
@@ -331,6 +352,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         sampler = asyncio.create_task(sample_memory(memory, load.t0, stop_memory))
         rng = random.Random(args.seed)
         faults: list[dict[str, Any]] = []
+        crashes: list[dict[str, Any]] = []
+        seen: dict[tuple[str, str], int] = {}
+        await asyncio.to_thread(restarts, dep, seen, 0.0)
         cycle: list[str] = []
         end = time.monotonic() + args.seconds
         while time.monotonic() < end:
@@ -351,14 +375,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             recovered = await await_recovered(dep, load, args.recovery_timeout)
             log(f"  {what}; recovered in {recovered if recovered is None else round(recovered, 1)} s")
             load.window = "quiet"
+            crashes += await asyncio.to_thread(restarts, dep, seen, time.monotonic() - load.t0)
             faults.append({"kind": kind, "window": f"{kind}#{len(faults)}", "at_s": round(at, 1), "what": what,
-                           "injected": injected,
+                           "injected": injected, "end_s": round(time.monotonic() - load.t0, 1),
                            "recovery_s": None if recovered is None else round(recovered, 1)})
         load.stop()
         await running
         stop_memory.set()
         await sampler
-        return {**made, **report(args, load, faults, memory, ready)}
+        crashes += await asyncio.to_thread(restarts, dep, seen, time.monotonic() - load.t0)
+        return {**made, **report(args, load, faults, memory, ready), "crashes": crashes}
     except BaseException:
         _dump_logs(c)
         raise
@@ -390,6 +416,18 @@ async def await_recovered_setup(dep: Deployment, args: argparse.Namespace) -> fl
     return time.monotonic() - t0
 
 
+def _blame(r: Sent, faults: list[dict[str, Any]]) -> str:
+    """The window of the first injected fault whose time (from the fault to its recovery, `end_s`) the request's
+    life overlaps, else the window it was sent in."""
+    end = r.done if r.done is not None else r.at
+    for f in faults:
+        start = f["at_s"]
+        stop = f["end_s"] if f["recovery_s"] is not None else float("inf")
+        if f["injected"] and r.at <= stop and end >= start:
+            return str(f["window"])
+    return r.window
+
+
 def _cause(r: Sent) -> str:
     if r.wrong:
         return "wrong answer"
@@ -404,6 +442,8 @@ def report(args: argparse.Namespace, load: Load, faults: list[dict[str, Any]], m
            ready: float) -> dict[str, Any]:
     failed = [r for r in load.sent if r.status != 200 or r.wrong]
     not_injected = {f["window"] for f in faults if not f["injected"]}
+    for r in failed:  # a failure belongs to the fault its request lived through, even if sent before it
+        r.window = _blame(r, faults)
     by_window: dict[str, list[Sent]] = {}
     for r in load.sent:
         by_window.setdefault(r.window, []).append(r)
