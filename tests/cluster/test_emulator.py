@@ -3,10 +3,7 @@ apiserver and scheduler: 16 prefill and 16 decode emulated engines, their router
 like the real node (2 CPUs), and `kubectl explain` documents the CR surface."""
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from lightkube import codecs
@@ -21,6 +18,7 @@ from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_E
 from support.dinf import Dinf, create, is_ready, revision
 from support.kube import watch_until
 from support.operator import OperatorProcess
+from support.tools import kubectl
 
 pytestmark = pytest.mark.cluster
 
@@ -77,17 +75,10 @@ def test_sixteen_pairs_of_emulated_engines_fit_a_two_cpu_node(cluster, operator,
     assert "exec disagg emulator" in script and "--profile cpu-kv64k" in script
 
 
-def kubectl(cluster, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    binary = Path(cluster.local.bin) / "kubectl" if cluster.local is not None else Path(
-        shutil.which("kubectl") or "kubectl")
-    return subprocess.run([str(binary), f"--kubeconfig={cluster.kubeconfig}", *args], capture_output=True, text=True,
-                          check=check, timeout=60)
-
-
 def test_kubectl_explain_documents_the_emulator(cluster, crd_installed):
     # The apiserver publishes a CRD's OpenAPI asynchronously after Established: nothing to watch, so poll.
     deadline = time.monotonic() + 30
-    while (out := kubectl(cluster, "explain", "dinf.spec.engine.emulator", check=False)).returncode != 0:
+    while (out := kubectl("explain", "dinf.spec.engine.emulator", cluster=cluster, check=False)).returncode != 0:
         assert time.monotonic() < deadline, out.stderr
         time.sleep(0.25)
     text = " ".join(out.stdout.split())
