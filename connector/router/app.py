@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import yaml
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from ..rendezvous.client import EngineCache, RendezvousClient
 
 log = logging.getLogger("disagg.router")
+T = TypeVar("T")
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PREFILL_HEADER, DECODE_HEADER = "X-Disagg-Prefill-Engine", "X-Disagg-Decode-Engine"
 """Response headers naming the engines that served a request (with X-Request-Id, the id both legs carried)."""
@@ -310,6 +311,11 @@ class Router:
     async def _one(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any], legs: Legs,
                    tl: Attempt) -> web.StreamResponse:
         """One attempt on the pair of `legs`; the prefill slot is given back once prefill answers."""
+        with self.pool.watch(legs.prefill) as prefill_gone:
+            return await self._legs(request, endpoint, body, legs, tl, prefill_gone)
+
+    async def _legs(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any], legs: Legs,
+                    tl: Attempt, prefill_gone: asyncio.Future[None]) -> web.StreamResponse:
         rid, path, prefill, decode = tl.request_id, PATHS[endpoint], legs.prefill, legs.decode
         prefill_task: asyncio.Task[Any] | None = None
         decode_task: asyncio.Task[aiohttp.ClientResponse] | None = None
@@ -318,7 +324,8 @@ class Router:
             prefill_task = asyncio.create_task(
                 self._post_json("prefill", prefill, path, pd.prefill_body(endpoint, body), rid))
             if self.s.mode == "pull" or self.s.dispatch == "sequential":
-                pre = await prefill_task
+                pre = await _unless_gone(prefill_task, prefill_gone, prefill, "answered")
+                pd.check_prefill_answer(pre)
                 tl.prefill_done = time.monotonic()
                 legs.prefill_answered()
                 params = pd.pull_decode_params(pre) if self.s.mode == "pull" else \
@@ -330,16 +337,17 @@ class Router:
                 decode_task = asyncio.create_task(
                     self._open_decode(decode, path, pd.decode_body(body, params), rid, tl))
                 # A failed prefill means decode would wait for KV that never comes: cancel it, never let it hang.
-                await prefill_task
+                pd.check_prefill_answer(await _unless_gone(prefill_task, prefill_gone, prefill, "answered"))
                 tl.prefill_done = time.monotonic()
                 legs.prefill_answered()
-            resp = await decode_task
+            # Until decode's first token, its KV may still be owed by the prefill engine.
+            resp = await _unless_gone(decode_task, prefill_gone, prefill, "sent decode its KV")
             self.m.decode_legs.labels(mode=self.s.mode).inc()
             if tl.decode_sent is not None and tl.decode_sent < tl.prefill_done:
                 self.m.decode_early.labels(mode=self.s.mode).inc()
             served = {"X-Request-Id": rid, PREFILL_HEADER: prefill.engine_id, DECODE_HEADER: decode.engine_id}
             relayed = True
-            return await self._relay(request, endpoint, resp, tl, served)
+            return await self._relay(request, endpoint, resp, tl, served, (prefill_gone, prefill))
         except ValueError as e:  # prefill answered without usable transfer params
             raise UpstreamFailed("prefill", prefill.engine_id, "protocol", str(e)) from e
         finally:
@@ -354,22 +362,25 @@ class Router:
                 decode_task.result().close()
 
     async def _relay(self, request: web.Request, endpoint: str, resp: aiohttp.ClientResponse,
-                     tl: Attempt, served: dict[str, str]) -> web.StreamResponse:
+                     tl: Attempt, served: dict[str, str],
+                     owed_by: tuple[asyncio.Future[None], EngineAdvertisement]) -> web.StreamResponse:
         """Decode's answer to the client. The client's response starts only with decode's first chunk (the whole
         answer, when not streamed): a decode that fails before it raises UpstreamFailed, and the request may be
         retried on another pair, since the client has nothing of it yet. A failure after it ends the stream with an
         error event, then the stream's proper end. vLLM sends its 200 and headers before the first token, so
-        relaying them at once would commit the request to a decode that may still die before answering."""
+        relaying them at once would commit the request to a decode that may still die before answering. Until
+        that first chunk, the prefill engine found dead (`owed_by`) fails the attempt too: its KV will never come."""
         mode = self.s.mode
         out: web.StreamResponse | None = None
+        gone, prefill = owed_by
         try:
             if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                raw = await resp.read()
+                raw = await _read_unless_gone(resp.read(), resp, gone, prefill)
                 tl.first_token = time.monotonic()
                 self._observe(tl)
                 self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
                 return web.Response(body=raw, status=200, content_type="application/json", headers=served)
-            chunk = await resp.content.readany()
+            chunk = await _read_unless_gone(resp.content.readany(), resp, gone, prefill)
             if not chunk:
                 raise UpstreamFailed("decode", served[DECODE_HEADER], "empty", "stream ended before its first chunk")
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
@@ -387,6 +398,9 @@ class Router:
             await out.write_eof()
             self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
             return out
+        except UpstreamFailed:
+            resp.close()  # vLLM aborts the decode leg now, not at its registration timeout
+            raise
         except (TimeoutError, aiohttp.ClientError) as e:
             failed = UpstreamFailed.of("decode", served[DECODE_HEADER], e)
             if out is None:
@@ -561,6 +575,44 @@ def _json_or_text(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+async def _unless_gone(task: asyncio.Future[T], gone: asyncio.Future[None], prefill: EngineAdvertisement,
+                       what: str) -> T:
+    """`task`'s result, unless the probes find the prefill engine dead first: then whatever it still owed (its
+    answer, decode's KV) will never come, and the attempt fails before the client got anything, so it is retried.
+    A stopping prefill drains what it holds first (it stays alive, and answers its probes, until it has)."""
+    if not gone.done():
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    raise _gone(prefill, what)
+
+
+async def _read_unless_gone(read: Awaitable[bytes], resp: aiohttp.ClientResponse, gone: asyncio.Future[None],
+                            prefill: EngineAdvertisement) -> bytes:
+    """`_unless_gone` for a read of decode's answer: the prefill found dead closes the answer, which ends the read
+    (no task per read: what is already buffered is returned as it arrived)."""
+    def cut(_: object) -> None:
+        resp.close()
+
+    gone.add_done_callback(cut)
+    try:
+        data = await read
+    except (TimeoutError, aiohttp.ClientError):
+        if gone.done():
+            raise _gone(prefill, "sent decode its KV") from None
+        raise
+    finally:
+        gone.remove_done_callback(cut)
+    if gone.done() and not data:
+        raise _gone(prefill, "sent decode its KV")
+    return data
+
+
+def _gone(prefill: EngineAdvertisement, what: str) -> UpstreamFailed:
+    return UpstreamFailed("prefill", prefill.engine_id, "gone", f"found dead before it {what}")
 
 
 def _message(body: Any) -> str | None:

@@ -12,14 +12,19 @@ A request that times out, is reset, loses its stream or gets a 5xx proves nothin
 is a slow request (a decode waiting for KV that never comes, a long queue), and a reset mid-stream under load may be
 a client abort passed on or an engine dying; the probes tell which within a second. The failed request still avoids
 that engine for its own retry (the router's `tried` set).
+
+A request can `watch` the engine it waits on (a prefill, for its answer and for the KV it owes decode): the probes
+keep probing a watched engine after it has left the rendezvous (a stopping engine leaves first and drains after),
+and the watch completes when a probe finds it dead (refused, reset or not 200), never when it is merely slow.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
 
 import aiohttp
@@ -43,6 +48,7 @@ class EnginePool:
         self.timeouts: dict[str, int] = defaultdict(int)
         self.max_model_len: dict[str, int] = {}  # from each engine's /v1/models, learned by the probes
         self.probe_interval, self.probe_timeout, self.slow_strikes = probe_interval, probe_timeout, slow_strikes
+        self._watches: dict[str, tuple[EngineAdvertisement, set[asyncio.Future[None]]]] = {}
 
     def engines(self) -> list[EngineAdvertisement]:
         return [e for e in self._source() if e.kv_mode == self.mode]
@@ -81,6 +87,27 @@ class EnginePool:
         """A request could not connect to the engine: down until the next probe round decides. The only
         request-level evidence the pool takes (the module docstring says why)."""
         self.down.add(engine_id)
+        self._found_dead(engine_id)
+
+    @contextlib.contextmanager
+    def watch(self, engine: EngineAdvertisement) -> Iterator[asyncio.Future[None]]:
+        """A future that completes once a probe finds `engine` dead, for as long as the block runs. Event loop
+        only."""
+        gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        _, futures = self._watches.setdefault(engine.engine_id, (engine, set()))
+        futures.add(gone)
+        try:
+            yield gone
+        finally:
+            futures.discard(gone)
+            if not futures:
+                self._watches.pop(engine.engine_id, None)
+
+    def _found_dead(self, engine_id: str) -> None:
+        _, futures = self._watches.get(engine_id, (None, set()))
+        for gone in futures:
+            if not gone.done():
+                gone.set_result(None)
 
     async def probe_forever(self, session: aiohttp.ClientSession) -> None:
         while True:
@@ -92,14 +119,19 @@ class EnginePool:
 
     async def probe_once(self, session: aiohttp.ClientSession) -> None:
         engines = self.engines()
-        results = await asyncio.gather(*(self._probe(session, e) for e in engines))
+        known = {e.engine_id for e in engines}
+        departed = [e for eid, (e, _) in self._watches.items() if eid not in known]
+        results = await asyncio.gather(*(self._probe(session, e) for e in engines + departed))
         down = set()
-        for engine, result in zip(engines, results, strict=True):
+        for engine, result in zip(engines, results, strict=False):
             eid = engine.engine_id
             self.timeouts[eid] = self.timeouts[eid] + 1 if result == "slow" else 0
             if result == "dead" or self.timeouts[eid] >= self.slow_strikes:
                 down.add(eid)
         self.down = down
+        for engine, result in zip(engines + departed, results, strict=True):
+            if result == "dead":
+                self._found_dead(engine.engine_id)
 
     async def _probe(self, session: aiohttp.ClientSession, engine: EngineAdvertisement) -> str:
         try:

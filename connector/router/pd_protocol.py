@@ -154,6 +154,16 @@ def decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_prefill_answer(prefill_response: Any) -> None:
+    """Refuse a prefill answer for a request its engine aborted (vLLM answers one with finish_reason "abort", on a
+    shutdown with no drain or an abort of its own): it computed no KV to hand over."""
+    choices = prefill_response.get("choices") if isinstance(prefill_response, dict) else None
+    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+    if first is None or first.get("finish_reason") == "abort":
+        raise ValueError(f"prefill did not finish its request (finish_reason "
+                         f"{first.get('finish_reason') if first else 'absent: no choices'})")
+
+
 def pull_decode_params(prefill_response: Any) -> dict[str, Any]:
     """Prefill's returned params, unchanged; refuse anything that is not what a producer returns."""
     params = prefill_response.get("kv_transfer_params") if isinstance(prefill_response, dict) else None

@@ -60,7 +60,10 @@ class StubEngine:
     `decode_status`: answer decode legs with this status; a streamed decode leg sends its 200 and headers at once
     (as vLLM does, before any token), then `tokens` chunks: `decode_hold(request_id, i)`, if set, is awaited before
     chunk i (before the answer, i = 0, when not streamed); `decode_dies_after`: drop the connection before that
-    chunk. `health_status`, `health_hangs`: what /health does; `models_body`: what /v1/models answers. `active`:
+    chunk. `writes_kv`: False makes a prefill answer without writing its KV (a prefill that stops before its
+    WRITE); `prefill_finish_reason`: the finish_reason of its answer ("abort": vLLM aborted the request).
+    `health_status`, `health_hangs`: what /health does, `probes`: /health calls so far; `models_body`: what
+    /v1/models answers. `active`:
     legs being answered now (from the request's arrival to its handler's end; `wait_for` wakes on arrivals, not on
     ends), `peak`: the most at once."""
 
@@ -73,8 +76,11 @@ class StubEngine:
         self.decode_dies_after: int | None = None
         self.decode_hold: Callable[[str, int], Awaitable[None]] | None = None
         self.tokens = ["b", "c"]
+        self.writes_kv = True
+        self.prefill_finish_reason = "length"
         self.health_status = 200
         self.health_hangs = False
+        self.probes = 0
         self.models_body: bytes | None = None
         self.hold: Callable[[str], Awaitable[None]] | None = None
         self.legs: list[Leg] = []
@@ -126,6 +132,7 @@ class StubEngine:
 
     # -- the API --
     async def _health(self, _request: web.Request) -> web.Response:
+        await self._note(lambda: setattr(self, "probes", self.probes + 1))
         if self.health_hangs:
             await asyncio.Event().wait()  # until the prober gives up and closes the connection
         return web.Response(status=self.health_status, text="")
@@ -170,11 +177,11 @@ class StubEngine:
         if self.fail_status is not None:
             return web.json_response({"error": {"message": f"stand-in {self.engine_id} fails", "code":
                                                 self.fail_status}}, status=self.fail_status)
-        if self.board is not None:
+        if self.board is not None and self.writes_kv:
             await self.board.post(internal)
         return web.json_response({
             "id": internal, "object": "text_completion", "model": "tiny",
-            "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
+            "choices": [{"index": 0, "text": "a", "finish_reason": self.prefill_finish_reason}],
             "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
                                    "remote_request_id": internal, "remote_engine_id": self.engine_id,
                                    "remote_block_ids": [1, 2], "remote_host": "127.0.0.1", "remote_port": 5600,

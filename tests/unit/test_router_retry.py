@@ -196,6 +196,14 @@ async def test_a_decode_that_dies_mid_stream_ends_the_stream_with_an_error_event
     body, which clients reject as a protocol error)."""
     async with deployment("push") as (url, router, p_a, p_b, d_1):
         d_1.decode_dies_after = 1
+
+        async def once_relayed(_rid: str, i: int) -> None:
+            # The death must follow the router's read of the first chunk: a connection lost first would fail that
+            # read (a death before the first token, retried on another pair).
+            while i == 1 and not metric(router, "disagg_router_ttft_seconds_count", mode="push"):
+                await asyncio.sleep(0.01)  # an in-process counter has nothing to await
+
+        d_1.decode_hold = once_relayed
         status, headers, body = await post(url, stream=True)
         assert status == 200 and headers[DECODE_HEADER] == "d-1"
         events = [json.loads(line.removeprefix(b"data: ")) for line in body.split(b"\n\n") if line]
