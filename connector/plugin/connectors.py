@@ -169,9 +169,11 @@ class _DisaggMixin:
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._started is not None and self._started is vllm_shim.connector_metadata(self):
             return  # started when it was bound
-        if self._prewarmer is not None:
-            self._prewarmer.release_departed()  # the engine's main thread: where vLLM itself releases peers
         super().start_load_kv(forward_context, **kwargs)  # type: ignore[misc]
+        if self._prewarmer is not None:
+            # The engine's main thread, where vLLM itself releases peers; after this step's receives are recorded,
+            # so a request registering with a departing prefill keeps its agent.
+            self._prewarmer.release_departed()
         if self._worker_shim is not None:
             meta = vllm_shim.connector_metadata(self)
             for request_id in vllm_shim.failed_receives(meta):

@@ -186,17 +186,25 @@ class PeerPrewarmer:
 
     # -- releasing departed peers: the engine's main thread ------------------------------------------------
     def release_departed(self) -> None:
+        """Release the agents of engines that left the rendezvous, except those this worker still exchanges KV
+        with: a stopping engine leaves first and drains after, and its requests' KV must still cross."""
+        busy = []
         while True:
             try:
                 engine_id = self._departed.get_nowait()
             except queue.Empty:
-                return
+                break
             with self._lock:
                 if engine_id in self.peers:
                     continue  # it came back
+            if self.shim.busy_with(engine_id):
+                busy.append(engine_id)
+                continue
             t0 = time.perf_counter()
             if self.shim.release_if_loaded(engine_id):
                 self.counts["released"] += 1
                 log.info("disagg plugin: released NIXL agent of departed engine %s in %.1f ms", engine_id,
                          (time.perf_counter() - t0) * 1000)
+        for engine_id in busy:
+            self._departed.put(engine_id)  # looked at again next step
 

@@ -355,6 +355,16 @@ class WorkerShim:
         self._w.nixl_wrapper.make_connection(agent_name)
         self._w.nixl_wrapper.send_notif(agent_name, notif_msg=first_message)
 
+    def busy_with(self, engine_id: str) -> bool:
+        """A receive of this worker waits for KV from the engine (decode), or a registration from it waits for its
+        prefill to finish (prefill): its agent is still needed, if it left the rendezvous (it is draining). Main
+        thread."""
+        w = self._w
+        if any(getattr(m.remote, "engine_id", None) == engine_id for m in list(w._recving_metadata.values())):
+            return True
+        pending = getattr(w, "_pending_d_registrations", None) or {}
+        return any(r.get("decode_engine_id") == engine_id for r in list(pending.values()) if isinstance(r, dict))
+
     def release_if_loaded(self, engine_id: str) -> bool:
         """Release a remote engine's agent and descriptors as vLLM does (its main thread only); False when it is not
         loaded or a handshake with it is still running."""

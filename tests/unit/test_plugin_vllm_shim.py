@@ -196,3 +196,18 @@ def test_another_vllm_version_makes_the_plugin_step_aside_before_touching_anythi
 def test_the_supported_vllm_version_keeps_the_plugin(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm("0.32.0"))
     assert vllm_shim.check_vllm() is None and vllm_shim.stepped_aside() is None
+
+
+def test_a_worker_is_busy_with_an_engine_whose_kv_it_still_exchanges():
+    """A departed engine's agent stays while a receive of this worker waits for its KV (decode) or a registration
+    of its waits for this worker's prefill (prefill): a stopping engine leaves the rendezvous first, drains after."""
+    w = CompleteWorker()
+    shim = WorkerShim.attach(w)
+    assert shim is not None
+    w._recving_metadata["r1"] = types.SimpleNamespace(remote=types.SimpleNamespace(engine_id="prefill-a"))
+    w._recving_metadata["r2"] = types.SimpleNamespace(remote=None)
+    w._pending_d_registrations = {"r3": {"decode_engine_id": "decode-b"}}
+    assert shim.busy_with("prefill-a") and shim.busy_with("decode-b")
+    assert not shim.busy_with("prefill-c")
+    del w._recving_metadata["r1"]
+    assert not shim.busy_with("prefill-a")
