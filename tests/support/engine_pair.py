@@ -19,10 +19,11 @@ class Pair:
 
     def __init__(self, mode: str, python: Path, model: Path, logs: Path, rendezvous: Service, plugin_dir: Path,
                  decode_mode: str | None = None, name: str | None = None, access_log: Path | None = None,
-                 **spec: Any):
+                 router_args: tuple[str, ...] = (), **spec: Any):
         """`spec`: more EngineSpec fields for both engines (num_blocks, max_model_len, ...); `access_log`: where
-        the routers write theirs."""
+        the routers write theirs; `router_args`: more flags for every router."""
         self.mode, self.rendezvous, self.logs, self.access_log = mode, rendezvous, logs, access_log
+        self.router_args = router_args
         prefix = f"{name}-" if name else ""
         self.decode_mode = decode_mode or mode
         env = RENDEZVOUS.engine_env(rendezvous.url)
@@ -45,7 +46,8 @@ class Pair:
     def start_router(self, name: str, mode: str, dispatch: str = "concurrent") -> Service:
         router = Service(name, ["router", "--mode", mode, "--dispatch", dispatch, "--rendezvous", self.rendezvous.url,
                                 "--request-timeout", "60",
-                                *(["--access-log", str(self.access_log)] if self.access_log else [])], self.logs)
+                                *(["--access-log", str(self.access_log)] if self.access_log else []),
+                                *self.router_args], self.logs)
         self.routers.append(router)
         return router.start(ready_path="/health")
 

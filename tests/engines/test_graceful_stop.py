@@ -1,0 +1,162 @@
+"""A push prefill stopped as the kubelet stops a pod, under a steady stream of streamed requests, loses nothing.
+
+The kubelet sends SIGTERM to the pod's first process (for an engine, vLLM's API server) and SIGKILL at the end of
+the grace period. The engine leaves the rendezvous at once and drains what it holds; what it cannot finish in
+its drain, the router runs again once the prefill's probes fail; requests that find no prefill wait for the
+replacement, up to the router's pair wait.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+
+from disagg.operator.engine_builders import DRAIN_EXIT_SECONDS
+from support.engine_pair import Pair
+from support.engines import PROMPTS, await_status, completion, log_lines
+from support.metrics import scrape
+
+pytestmark = pytest.mark.engines
+
+RATE_PER_S = 2.0
+"""About a third of what the lone prefill computes here (a salt each: no prefix-cache hit)."""
+BURST = 6
+PAIR_WAIT_S = 120.0
+"""Long enough for a replacement prefill to start and advertise itself (about 40 s here)."""
+GRACE_S = 5 + DRAIN_EXIT_SECONDS
+"""An engine pod's terminationGracePeriodSeconds: the engines here drain for 5 s (`--shutdown-timeout 5`)."""
+
+
+@pytest.fixture(scope="module")
+def stop_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_dir):
+    pair = Pair("push", vllm_python, model, engine_logs, rendezvous, plugin_dir, name="stop",
+                router_args=("--pair-wait-seconds", str(PAIR_WAIT_S)))
+    try:
+        yield pair.start()
+    finally:
+        pair.stop()
+
+
+class Outcome:
+    def __init__(self, sent: float) -> None:
+        self.sent, self.done = sent, 0.0
+        self.status: int | None = None
+        self.text, self.error = "", ""
+
+
+def streamed(url: str, prompt_index: int, outcome: Outcome) -> None:
+    """One streamed completion; its outcome is an HTTP status, the text, and any error event in the stream."""
+    # A salt of its own: no prefix-cache hit, so every prefill computes its whole prompt and a stop finds work.
+    body = {**completion(PROMPTS[prompt_index]), "stream": True, "cache_salt": uuid.uuid4().hex}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    parts = []
+    try:
+        with urllib.request.urlopen(req, timeout=PAIR_WAIT_S + 120) as r:
+            outcome.status = r.status
+            for line in r:
+                line = line.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if "error" in chunk:
+                    outcome.error = json.dumps(chunk["error"])[:300]
+                for ch in chunk.get("choices", []):
+                    parts.append(ch.get("text") or "")
+    except urllib.error.HTTPError as e:
+        outcome.status, outcome.error = e.code, e.read().decode()[:300]
+    except OSError as e:
+        outcome.error = repr(e)
+    outcome.text = "".join(parts)
+    outcome.done = time.monotonic()
+
+
+class OpenLoop(threading.Thread):
+    """Requests sent at a fixed rate, each on its own thread, whatever the answers take."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.halt = url, threading.Event()
+        self.sent: list[tuple[int, Outcome, threading.Thread]] = []
+        self.ticked = threading.Condition()
+
+    def run(self) -> None:
+        while not self.halt.wait(1 / RATE_PER_S):
+            self.send()
+
+    def send(self) -> None:
+        with self.ticked:
+            i = len(self.sent)
+            outcome = Outcome(time.monotonic())
+            t = threading.Thread(target=streamed, args=(self.url, i % len(PROMPTS), outcome), daemon=True)
+            t.start()
+            self.sent.append((i % len(PROMPTS), outcome, t))
+            self.ticked.notify_all()
+
+    def finish(self) -> list[tuple[int, Outcome]]:
+        self.halt.set()
+        self.join()
+        for _, _, t in self.sent:
+            t.join(PAIR_WAIT_S + 180)
+        return [(i, o) for i, o, _ in self.sent]
+
+
+def test_a_push_prefill_stopped_as_the_kubelet_does_under_load_loses_no_request(stop_pair, reference):
+    """A steady stream of streamed requests, and a burst on top of it; SIGTERM to the API server once the prefill
+    holds requests (computing, queued, or done with their WRITE pending), then SIGKILL to what is left at the end
+    of the grace period, as the kubelet does. What the prefill cannot finish within its drain runs again on its
+    replacement; nothing hangs or fails. Every answer equals a single engine's, and decode computed no prompt of
+    its own."""
+    url, prefill, decode = stop_pair.router.url, stop_pair.prefill, stop_pair.decode
+    await_status(url + "/health")
+    source = "vllm:prompt_tokens_by_source_total"
+    computed = metric(decode.url, source, source="local_compute")
+    received = metric(decode.url, source, source="external_kv_transfer")
+    legs = metric(url, "disagg_router_decode_legs_total", mode="push")
+    load = OpenLoop(url + "/v1/completions")
+    load.start()
+    try:
+        while len([o for _, o, _ in load.sent if o.done]) < 10:  # the stream is going
+            time.sleep(0.1)
+        api_server = prefill.processes()[0]
+        for _ in range(BURST):
+            load.send()
+        while metric(prefill.url, "vllm:num_requests_running") + metric(prefill.url, "vllm:num_requests_waiting") < 1:
+            time.sleep(0.01)  # another process's state: nothing to await but polling
+        t_stop = time.monotonic()
+        os.kill(api_server, signal.SIGTERM)
+        try:
+            prefill.proc.wait(GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(prefill.proc.pid, signal.SIGKILL)  # the end of the pod's grace period
+            prefill.proc.wait()
+        t_gone = time.monotonic()
+        drained = log_lines(prefill, "draining in-flight requests")
+        prefill.start().wait_ready()
+        await_status(url + "/health", timeout=60)
+        n = len(load.sent)
+        while len(load.sent) < n + 10:
+            time.sleep(0.1)
+    finally:
+        results = load.finish()
+    bad = [(round(o.sent - t_stop, 2), round(o.done - t_stop, 2), o.status, o.error, o.text[:40], i)
+           for i, o in results if o.status != 200 or o.error or o.text != reference[("completion", i)]]
+    retried = metric(url, "disagg_router_prefill_retries_total")
+    print(f"{len(results)} sent; prefill gone {t_gone - t_stop:.1f} s after SIGTERM; {drained}; {retried:g} retried")
+    assert drained, "the stop found no request in flight: it proved nothing"
+    assert bad == []
+    legs = metric(url, "disagg_router_decode_legs_total", mode="push") - legs
+    assert metric(decode.url, source, source="local_compute") - computed <= legs
+    assert metric(decode.url, source, source="external_kv_transfer") > received
+    assert metric(prefill.url, "vllm:nixl_xfer_time_seconds_count") >= 1  # the replacement WRITEs too
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    return scrape(url + "/metrics", name, **labels)
