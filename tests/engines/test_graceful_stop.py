@@ -26,11 +26,16 @@ from support.metrics import scrape
 
 pytestmark = pytest.mark.engines
 
-RATE_PER_S = 2.0
-"""About a third of what the lone prefill computes here (a salt each: no prefix-cache hit)."""
-BURST = 6
+RATE_PER_S = 1.0
+"""Well below what the pair serves here (a salt each: no prefix-cache hit), so the requests held while no prefill
+is left (about 40 s of them) clear within the read timeout once the replacement is up."""
+BURST = 16
+"""More than the prefill drains in its 5 s here (a few requests a second: each WRITE crosses on one CPU core), so
+the stop also leaves requests that must run again."""
 PAIR_WAIT_S = 120.0
 """Long enough for a replacement prefill to start and advertise itself (about 40 s here)."""
+READ_TIMEOUT_S = 180.0
+"""The held requests reach the replacement pair at once; the last of them waits in its queue for the others."""
 GRACE_S = 5 + DRAIN_EXIT_SECONDS
 """An engine pod's terminationGracePeriodSeconds: the engines here drain for 5 s (`--shutdown-timeout 5`)."""
 
@@ -38,7 +43,7 @@ GRACE_S = 5 + DRAIN_EXIT_SECONDS
 @pytest.fixture(scope="module")
 def stop_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_dir):
     pair = Pair("push", vllm_python, model, engine_logs, rendezvous, plugin_dir, name="stop",
-                router_args=("--pair-wait-seconds", str(PAIR_WAIT_S)))
+                router_args=("--pair-wait-seconds", str(PAIR_WAIT_S), "--request-timeout", str(READ_TIMEOUT_S)))
     try:
         yield pair.start()
     finally:
@@ -59,7 +64,7 @@ def streamed(url: str, prompt_index: int, outcome: Outcome) -> None:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     parts = []
     try:
-        with urllib.request.urlopen(req, timeout=PAIR_WAIT_S + 120) as r:
+        with urllib.request.urlopen(req, timeout=PAIR_WAIT_S + READ_TIMEOUT_S + 60) as r:
             outcome.status = r.status
             for line in r:
                 line = line.decode().strip()
@@ -104,7 +109,7 @@ class OpenLoop(threading.Thread):
         self.halt.set()
         self.join()
         for _, _, t in self.sent:
-            t.join(PAIR_WAIT_S + 180)
+            t.join(PAIR_WAIT_S + READ_TIMEOUT_S + 120)
         return [(i, o) for i, o, _ in self.sent]
 
 
@@ -151,6 +156,7 @@ def test_a_push_prefill_stopped_as_the_kubelet_does_under_load_loses_no_request(
     retried = metric(url, "disagg_router_prefill_retries_total")
     print(f"{len(results)} sent; prefill gone {t_gone - t_stop:.1f} s after SIGTERM; {drained}; {retried:g} retried")
     assert drained, "the stop found no request in flight: it proved nothing"
+    assert retried >= 1, "the prefill drained everything: the requests it could not finish were not exercised"
     assert bad == []
     legs = metric(url, "disagg_router_decode_legs_total", mode="push") - legs
     assert metric(decode.url, source, source="local_compute") - computed <= legs
