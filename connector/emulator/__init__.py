@@ -9,7 +9,8 @@ step model fitted to real engines (`profiles`), over a KV cache of blocks with a
 Modules, deciding apart from acting:
 - pure: `profiles` (the parameters, as data), `tokens` (the emulated tokenizer and text), `prefix_cache` (blocks,
   LRU, hashes and the events they cause), `scheduler` (what one step runs, and what it costs), `openai_format`
-  (request parsing and vLLM's response shapes), `kv_event_wire` (vLLM's KV event structs);
+  (request parsing and vLLM's response shapes), `kv_event_wire` (its events as the KV event
+  structs of connector/wire/kv_events);
 - state: `requests` (a request's tokens, blocks and outputs);
 - acting: `engine` (the step loop), `handoff` (both sides of a P/D request's KV handoff) over `side_channel` (the
   emulated side channel between emulators), `kv_events` (the ZMQ publisher), `metrics`, `server` (the HTTP app),

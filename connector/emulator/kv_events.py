@@ -1,10 +1,11 @@
 """Publish the emulated prefix cache's KV events as vLLM's ZmqEventPublisher does.
 
 - PUB socket: one multipart message per engine step that changed the cache: `(topic, seq, payload)`, seq an
-  8-byte big-endian counter from 0, payload a msgpack `KVEventBatch` (kv_event_wire);
+  8-byte big-endian counter from 0, payload a msgpack `KVEventBatch` (the framing and structs are
+  connector/wire/kv_events.py, which the router decodes with);
 - ROUTER socket (replay): a client sends `(b"", start_seq)` as 8 bytes big-endian; it gets `(b"", topic, seq,
-  payload)` for every buffered batch from `start_seq` on, then `(b"", b"", -1 as 8 signed bytes, b"")`. Only the
-  last `buffer_steps` batches are kept, and a subscriber has no initial sync: exactly vLLM's limits.
+  payload)` for every buffered batch from `start_seq` on, then `wire.REPLAY_END`. Only the last `buffer_steps`
+  batches are kept, and a subscriber has no initial sync: exactly vLLM's limits.
 
 PUB never blocks: with no subscriber, or one past its high-water mark, messages are dropped, as in vLLM.
 """
@@ -18,11 +19,11 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
+from ..wire import kv_events as wire
 from . import kv_event_wire
 from . import prefix_cache as pc
 
 log = logging.getLogger("disagg.emulator.kv_events")
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class KvEventPublisher:
@@ -53,7 +54,7 @@ class KvEventPublisher:
         seq = self.seq
         self.seq += 1
         with contextlib.suppress(zmq.Again):
-            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+            self.pub.send_multipart((self.topic, wire.encode_seq(seq), payload), flags=zmq.NOBLOCK)
         self.buffer.append((seq, payload))
         self.published += len(events)
 
@@ -68,8 +69,8 @@ class KvEventPublisher:
             first = int.from_bytes(start, "big")
             for seq, payload in list(self.buffer):
                 if seq >= first:
-                    await self.replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
-            await self.replay.send_multipart((client, b"", b"", END_SEQ, b""))
+                    await self.replay.send_multipart((client, b"", self.topic, wire.encode_seq(seq), payload))
+            await self.replay.send_multipart((client, *wire.REPLAY_END))
 
     async def close(self) -> None:
         if self._task is not None:

@@ -18,8 +18,8 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.connector.emulator import kv_event_wire
 from disagg.connector.wire import emulator as contract
+from disagg.connector.wire import kv_events as kv_wire
 from disagg.devcluster import vllm_env
 from support.emulators import emulated_pair, http, pd_request
 
@@ -216,12 +216,13 @@ def test_every_metric_is_a_vllm_family_and_counts_what_vllm_counts(mode, emulate
 
 
 def test_recorded_kv_event_frames_reencode_byte_for_byte():
-    """The emulator's structs are vLLM's: a real engine's frames decode and encode back to the same bytes."""
+    """The shared structs (the emulator encodes with them, the router decodes) are vLLM's: a real engine's frames
+    decode and encode back to the same bytes."""
     frames = [f for mode in ("push", "pull") for role in ("prefill", "decode")
               for f in recorded(mode)["kv_events"][role]]
     assert frames
     for topic, seq, payload in ([base64.b64decode(x) for x in f] for f in frames):
-        batch = kv_event_wire.decode_batch(payload)
+        batch = kv_wire.decode_batch(payload)
         assert msgspec.msgpack.encode(batch) == payload
         assert topic == b"kv" and len(seq) == 8
 
@@ -277,10 +278,10 @@ def test_published_kv_events_are_what_vllm_decodes_and_replays(mode, emulated):
     assert first["tokens"] == first["block_size"] * len(first["block_hashes"])
     # The recorded prompt's first batch on a real prefill and on the emulated one: the same blocks of the same
     # tokens (hash values differ: vLLM seeds its own; routers key their index on the token ids).
-    real = kv_event_wire.decode_batch(base64.b64decode(recorded(mode)["kv_events"]["prefill"][0][2]))
-    ours = [kv_event_wire.decode_batch(p) for _, _, p in frames]
-    real_tokens = [e.token_ids for e in real.events if isinstance(e, kv_event_wire.BlockStored)]
-    assert real_tokens[0] in [e.token_ids for b in ours for e in b.events if isinstance(e, kv_event_wire.BlockStored)]
+    real = kv_wire.decode_batch(base64.b64decode(recorded(mode)["kv_events"]["prefill"][0][2]))
+    ours = [kv_wire.decode_batch(p) for _, _, p in frames]
+    real_tokens = [e.token_ids for e in real.events if isinstance(e, kv_wire.BlockStored)]
+    assert real_tokens[0] in [e.token_ids for b in ours for e in b.events if isinstance(e, kv_wire.BlockStored)]
     # The replay socket streams every buffered batch from the start, then the end marker.
     assert replay[-1] == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
     assert [int.from_bytes(f[2], "big") for f in replay[:-1]][-len(frames):] == seqs
