@@ -1,2 +1,3 @@
 """The OpenAI-compatible router: `app` (HTTP endpoints and dispatch), `engine_pool` (pairing), `pd_protocol`
-(what each leg of a P/D request carries) and `flags` (its command-line arguments)."""
+(what each leg of a P/D request carries), `flags` (its command-line arguments) and `kv_index` (what each engine's
+KV cache holds, from its KV events)."""
