@@ -110,8 +110,9 @@ class RendezvousClient:
 
     async def register(self, adv: EngineAdvertisement) -> RegisterResponse:
         """PUT the advertisement (create, update or renew). Raises RendezvousError (409 conflict, 401/403 auth…)."""
-        _, data = await self._call("PUT", f"/v1/engines/{adv.engine_id}", body=adv.model_dump_json().encode(),
-                                   auth=True, ok=(200, 201))
+        # Without its None fields: an older rendezvous, whose model lacks a newer optional field, accepts it.
+        body = adv.model_dump_json(exclude_none=True).encode()
+        _, data = await self._call("PUT", f"/v1/engines/{adv.engine_id}", body=body, auth=True, ok=(200, 201))
         return RegisterResponse.model_validate_json(data)
 
     async def renew(self, engine_id: str) -> RegisterResponse:

@@ -5,7 +5,10 @@ pre-registered KV block metadata a prefill engine needs to WRITE without a lazy 
 keeps advertisements under a lease and streams changes to routers as `WatchEvent`s (newline-delimited JSON).
 
 These models are the contract: the operator may import them, this module imports nothing from the operator.
-Every model forbids unknown fields, so a typo in a client is a 4xx, not a silently dropped field.
+Every model forbids unknown fields, so a typo in a client is a 4xx, not a silently dropped field. So a field added
+later is optional with default None (what an older engine sends still parses), and every writer leaves out what is
+None (`exclude_none`): what uses no new field is also what an older rendezvous or router accepts, which a rolling
+upgrade or a rollback of the operator needs.
 """
 from __future__ import annotations
 
@@ -55,6 +58,24 @@ def check_engine_id(value: str) -> str:
     if not _ENGINE_ID_RE.match(value):
         raise ValueError(f"engine_id {value!r} may only contain letters, digits, '.', '_' and '-', starting with "
                          "a letter or digit")
+    return value
+
+
+def check_tcp_endpoint(value: str, what: str) -> str:
+    """Raise ValueError unless `value` is a ZMQ TCP endpoint to connect to: `tcp://host:port`, an IPv6 host in
+    brackets, a port from 1 to 65535, nothing else."""
+    if len(value) > 300:
+        raise ValueError(f"{what}: {value[:40]!r}... is longer than 300 characters")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as e:
+        raise ValueError(f"{what}: {value!r} is not tcp://host:port: {e}") from None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or port == 0 or "*" in value:
+        raise ValueError(f"{what}: {value!r} is not tcp://host:port (a host to connect to, a port from 1 to 65535)")
+    if parts.path or parts.query or parts.fragment or parts.username or parts.password \
+            or any(c.isspace() for c in value):
+        raise ValueError(f"{what}: {value!r} must be tcp://host:port only")
     return value
 
 
@@ -111,6 +132,13 @@ class EngineAdvertisement(WireModel):
     base64 string or a JSON object, at most 4 MiB encoded."""
     lease_seconds: float = Field(default=15.0, ge=MIN_LEASE_SECONDS, le=MAX_LEASE_SECONDS, allow_inf_nan=False)
     """How long the entry lives without a renewal. Engines renew every heartbeat and ask for three heartbeats."""
+    kv_events_endpoints: list[str] | None = Field(default=None, min_length=1, max_length=MAX_PARALLEL)
+    """Where to subscribe (ZMQ SUB) to the engine's KV cache events, vLLM's `--kv-events-config` publisher, one
+    `tcp://host:port` per data-parallel rank (index = DP rank); the framing is connector/wire/kv_events.py. None when
+    the engine publishes none, and from engines older than the field (the rendezvous and routers take both)."""
+    kv_events_replay_endpoints: list[str] | None = Field(default=None, min_length=1, max_length=MAX_PARALLEL)
+    """Where to ask (ZMQ DEALER) for the batches a subscriber missed, one `tcp://host:port` per data-parallel rank.
+    None when the engine keeps no replay buffer; only with `kv_events_endpoints`."""
 
     @field_validator("engine_id")
     @classmethod
@@ -152,6 +180,11 @@ class EngineAdvertisement(WireModel):
             raise ValueError(f"http_url {v!r} must be scheme://host[:port] only (no path, query or credentials)")
         return v.rstrip("/")
 
+    @field_validator("kv_events_endpoints", "kv_events_replay_endpoints")
+    @classmethod
+    def _zmq_endpoints(cls, v: list[str] | None, info: ValidationInfo) -> list[str] | None:
+        return None if v is None else [check_tcp_endpoint(e, _field_name(info)) for e in v]
+
     @field_validator("kv_metadata")
     @classmethod
     def _kv_metadata(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -175,6 +208,14 @@ class EngineAdvertisement(WireModel):
         if len(self.side_channel_ports) != self.dp_size:
             raise ValueError(f"side_channel_ports has {len(self.side_channel_ports)} ports but dp_size is "
                              f"{self.dp_size}: one port per data-parallel rank")
+        for name in ("kv_events_endpoints", "kv_events_replay_endpoints"):
+            endpoints = getattr(self, name)
+            if endpoints is not None and len(endpoints) != self.dp_size:
+                raise ValueError(f"{name} has {len(endpoints)} endpoints but dp_size is {self.dp_size}: one "
+                                 "endpoint per data-parallel rank")
+        if self.kv_events_replay_endpoints is not None and self.kv_events_endpoints is None:
+            raise ValueError("kv_events_replay_endpoints without kv_events_endpoints: a replay fills gaps in a "
+                             "stream the engine must advertise too")
         return self
 
     @property

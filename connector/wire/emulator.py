@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from . import env
+
 PROFILES: Final = ("cpu-kv64k", "qwen3-32b-tp4-p5en")
 """Emulated engines: the vLLM CPU engines of this repository's bed (the kv64k model, 1 GiB of KV), fitted to
 measurements (bench/emulator_fit.py); Qwen3-32B at TP4 on a p5en.48xlarge, from published figures."""
@@ -20,7 +22,7 @@ OWNER: Final = "disagg-engine-emulator"
 """`owned_by` of the emulator's model card (`/v1/models`), its `Server` header, and its metrics' `job` in logs:
 where a human looks, an emulated engine says what it is."""
 
-KV_EVENTS_PORT: Final = 5557
-"""The emulator's ZMQ PUB socket for KV events (vLLM's `--kv-events-config` endpoint default)."""
-KV_EVENTS_REPLAY_PORT: Final = 5558
-"""Its ZMQ ROUTER socket for replays (vLLM's replay_endpoint default)."""
+KV_EVENTS_PORT: Final = env.kv_events_ports(1)[0][0]
+"""The emulator's ZMQ PUB socket for KV events: a one-rank engine's (env.kv_events_ports), 5557."""
+KV_EVENTS_REPLAY_PORT: Final = env.kv_events_ports(1)[1][0]
+"""Its ZMQ ROUTER socket for replays, 5558."""

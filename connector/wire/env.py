@@ -38,6 +38,14 @@ RENDEZVOUS_TOKEN_FILE: Final = "DISAGG_RENDEZVOUS_TOKEN_FILE"
 """`spec.rendezvous.auth: kubernetes`: the projected pod-bound token's path, re-read on every request."""
 HEARTBEAT_SECONDS: Final = "DISAGG_HEARTBEAT_SECONDS"
 
+# KV cache events (spec.router.policy: prefix-aware). Set only on engines that publish them: unset, the plugin
+# advertises no events endpoint.
+KV_EVENTS_PORT: Final = "DISAGG_KV_EVENTS_PORT"
+"""DP rank 0's port of vLLM's KV events PUB socket (`--kv-events-config` endpoint); rank r's is this plus r, as
+vLLM offsets each data-parallel rank's endpoint by its rank."""
+KV_EVENTS_REPLAY_PORT: Final = "DISAGG_KV_EVENTS_REPLAY_PORT"
+"""DP rank 0's port of the events' replay socket (`replay_endpoint`), offset per rank in the same way."""
+
 # Plugin tuning (users set these through spec.engine.env; the operator does not, except where a profile says).
 WARMUP: Final = "DISAGG_WARMUP"
 """`0` skips the engine's two requests of its own before it advertises."""
@@ -62,6 +70,8 @@ CPU_ENGINE_ENV: Final[Mapping[str, str]] = MappingProxyType({
 """What every vLLM CPU engine gets: the `cpu` profile's pods (operator/profiles.py) and local runs alike."""
 
 DEFAULT_HTTP_PORT: Final = 8000
+DEFAULT_KV_EVENTS_PORT: Final = 5557
+"""vLLM's own default KV events endpoint port: the first of an engine's KV event ports (`kv_events_ports`)."""
 DEFAULT_HEARTBEAT_SECONDS: Final = 5.0
 LEASE_HEARTBEATS: Final = 3
 """An engine's lease is this many heartbeats: one lost renewal never expires it."""
@@ -75,3 +85,13 @@ TOKEN_AUDIENCE: Final = "disagg-rendezvous"
 def heartbeat_seconds(env: Mapping[str, str]) -> float:
     return float(env.get(HEARTBEAT_SECONDS) or DEFAULT_HEARTBEAT_SECONDS)
 
+
+def kv_events_ports(dp_size: int) -> tuple[range, range]:
+    """An engine's KV event ports, one PUB and one replay port per data-parallel rank (index = rank): the PUB ports
+    from DEFAULT_KV_EVENTS_PORT up, then the replay ports right after them, so no rank's port is another's. With one
+    rank they are 5557 and 5558, where vLLM's example subscriber (examples/online_serving/kv_events_subscriber.py)
+    connects."""
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    events = range(DEFAULT_KV_EVENTS_PORT, DEFAULT_KV_EVENTS_PORT + dp_size)
+    return events, range(events.stop, events.stop + dp_size)

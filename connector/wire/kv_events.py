@@ -18,6 +18,8 @@ from typing import Any, Final
 
 import msgspec
 
+TOPIC: Final = ""
+"""The topic engines here publish under: vLLM's default, which a subscription to every topic (the router's) matches."""
 MEDIUM_GPU: Final = "GPU"
 """vLLM's medium for the KV cache of the engine itself (its CPU build says GPU too); offloaded copies name another."""
 SPEC_KIND: Final = "full_attention"
