@@ -7,7 +7,7 @@ apiserver itself rejects bad input with a message that names the field.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Final, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
@@ -16,6 +16,7 @@ from pydantic.config import JsonDict
 from disagg.connector.wire.emulator import DEFAULT_PROFILE as DEFAULT_EMULATOR_PROFILE
 from disagg.connector.wire.emulator import PROFILES as EMULATOR_PROFILES
 from disagg.connector.wire.emulator import TRANSPORT as EMULATED_TRANSPORT
+from disagg.connector.wire.env import DEFAULT_KV_EVENTS_PORT, kv_events_ports
 
 from . import names
 from .profiles import CPU_PROFILE, DEFAULT_CPU_KV_CACHE_GIB, GPU, PROFILES, Profile
@@ -36,6 +37,11 @@ PUSH_CONNECTORS = frozenset({PUSH_CONNECTOR})
 """The connectors that do push-mode transfer (decode pre-registers, prefill WRITEs). Every other connector, the
 plugin's pull classes and vendor connectors such as NeuronNixlConnector alike, is read by decode after prefill
 returns: pull mode. The router's protocol follows `mode`, so the two must agree."""
+LEAST_LOADED: Final = "least-loaded"
+PREFIX_AWARE: Final = "prefix-aware"
+RouterPolicy = Literal["least-loaded", "prefix-aware"]
+"""spec.router.policy. Only PREFIX_AWARE makes vLLM engines publish KV events: a CR that does not ask renders its
+engines exactly as before the field existed, so an operator upgrade rolls none of them."""
 MAX_ENGINE_REPLICAS = 1000
 DEFAULT_ROLE_REPLICAS = 1
 """A new deployment's engines per role when spec.<role>.replicas is unset."""
@@ -395,6 +401,15 @@ class RouterSpec(Model):
     carried (also the X-Request-Id response header), the engines that served it, the status, and the exact
     per-request timings in milliseconds from receipt (prefill answered, decode leg sent, first token, done) with
     the KV handoff. The fields are documented in connector/router/access_log.py."""
+    policy: RouterPolicy = LEAST_LOADED
+    """How the router picks a request's engines. `least-loaded`: the pair with the least outstanding work.
+    `prefix-aware`: as well, every engine publishes its KV cache events (vLLM's `--kv-events-config`: ZMQ on port
+    5557 and its replay on 5558; with N data-parallel ranks, events on the N ports from 5557 and replay on the N
+    after them) and advertises where in the rendezvous, for routing by the prompt prefix each engine already
+    holds. It needs vLLM's prefix caching (on by default), so `--no-enable-prefix-caching` and a `--kv-events-config`
+    of your own in the args are refused. The router does not use the events yet: both policies route least-loaded.
+    A change of policy is a new revision of the engines (a rollout). Engine emulators publish their events under
+    either policy."""
 
 
 class RendezvousSpec(Model):
@@ -589,6 +604,32 @@ def _cpu_ranks_rule(role: str) -> dict[str, str]:
         field_path=f".{role}.tensorParallelSize")
 
 
+def _kv_events_ports_rule(role: str) -> dict[str, str]:
+    # env.kv_events_ports in CEL: the role's events and replay ports are [first, last], two per data-parallel rank.
+    dp, side, port = f"self.{role}.dataParallelSize", "self.kvTransfer.sideChannelPort", "self.engine.port"
+    first, last = DEFAULT_KV_EVENTS_PORT, f"{DEFAULT_KV_EVENTS_PORT} + 2 * {dp} - 1"
+    return _cel(
+        f"self.router.policy != '{PREFIX_AWARE}' || "
+        f"(({side} > {last} || {side} + {dp} <= {first}) && ({port} < {first} || {port} > {last}))",
+        message_expression=_fmt(
+            f"{PREFIX_AWARE} puts the {role} engines' KV event ports at {first}-%d (an events and a replay port per "
+            "data-parallel rank), which overlaps spec.kvTransfer.sideChannelPort's %d-%d or spec.engine.port %d: move "
+            f"those out of {first}-%d", last, side, f"{side} + {dp} - 1", port, last),
+        field_path=".router.policy")
+
+
+# vLLM's command line takes `--name value`, `--name=value` and `--name.key value` (a field of a config argument), and
+# reads `_` in a name as `-` (vllm/utils/argparse_utils.py).
+def _vllm_flag(arg: str) -> str | None:
+    if not arg.startswith("--"):
+        return None
+    return arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+
+
+KV_EVENTS_FLAG = "kv-events-config"
+NO_PREFIX_CACHING_FLAG = "no-enable-prefix-caching"
+
+
 class DisaggregatedInferenceSpec(Model):
     """A model served with disaggregated prefill and decode engines."""
 
@@ -621,6 +662,8 @@ class DisaggregatedInferenceSpec(Model):
              "self.kvTransfer.backend != 'LIBFABRIC'",
              "LIBFABRIC needs EFA, which the cpu profile has none of: KV moves over TCP with UCX; set "
              "spec.kvTransfer.backend: UCX or leave it unset", field_path=".kvTransfer.backend"),
+        _kv_events_ports_rule("prefill"),
+        _kv_events_ports_rule("decode"),
     ))
     model: ModelSpec
     """The model to serve."""
@@ -648,10 +691,47 @@ class DisaggregatedInferenceSpec(Model):
     HPA or KEDA). Not acted on yet: the operator validates and stores it, and each role still runs its
     DisaggregatedRole's count."""
 
+    @model_validator(mode="after")
+    def _kv_events_fit(self) -> Self:
+        """With prefix-aware routing: the KV event ports clear every other port of the engines (the CEL rule
+        again), and the args neither turn vLLM's prefix caching off nor replace the events config the operator
+        renders (connector/wire/env.py says where the plugin finds the ports it advertises)."""
+        if not self.kv_events:
+            return self
+        for name, role in (("prefill", self.prefill), ("decode", self.decode)):
+            events, replay = kv_events_ports(role.data_parallel_size)
+            side = range(self.kv_transfer.side_channel_port,
+                         self.kv_transfer.side_channel_port + role.data_parallel_size)
+            ours = range(events.start, replay.stop)
+            if self.engine.port in ours or (side.start < ours.stop and ours.start < side.stop):
+                raise ValueError(
+                    f"spec.router.policy {PREFIX_AWARE}: the {name} engines' KV event ports {ours.start}-"
+                    f"{ours.stop - 1} (an events and a replay port per data-parallel rank) overlap "
+                    f"spec.kvTransfer.sideChannelPort's {side.start}-{side.stop - 1} or spec.engine.port "
+                    f"{self.engine.port}")
+        if self.emulated:  # an emulator reads none of vLLM's args
+            return self
+        for where, args in (("spec.engine.args", self.engine.args), ("spec.prefill.args", self.prefill.args),
+                            ("spec.decode.args", self.decode.args)):
+            flags = {_vllm_flag(a) for a in args}
+            if NO_PREFIX_CACHING_FLAG in flags:
+                raise ValueError(f"{where}: spec.router.policy {PREFIX_AWARE} needs vLLM's prefix caching, which "
+                                 f"--{NO_PREFIX_CACHING_FLAG} turns off")
+            if KV_EVENTS_FLAG in flags:
+                raise ValueError(f"{where}: spec.router.policy {PREFIX_AWARE} renders --{KV_EVENTS_FLAG} itself "
+                                 "(the ports its engines declare and advertise); remove it from the args")
+        return self
+
     # -- derived values: one place decides each default ---------------------------------------------------
     @property
     def profile(self) -> Profile:
         return PROFILES[self.accelerator.profile]
+
+    @property
+    def kv_events(self) -> bool:
+        """The engines publish KV cache events and advertise them (spec.router.policy: prefix-aware). Engine
+        emulators publish theirs whatever it says."""
+        return self.router.policy == PREFIX_AWARE
 
     @property
     def connector(self) -> str:

@@ -8,7 +8,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from disagg.connector.wire import emulator as emulator_contract
 from disagg.connector.wire import env as wire_env
+from disagg.connector.wire import kv_events as wire_kv_events
 from disagg.connector.wire.kv_transfer import KV_ROLES
 from disagg.connector.wire.kv_transfer import kv_transfer_config as render_kv_transfer_config
 
@@ -41,7 +43,8 @@ EMULATOR_LABEL = "serving.disagg.io/engine"
 """On engine EMULATOR pods, value `emulator`: `kubectl get pods -L serving.disagg.io/engine` tells them from vLLM."""
 EMULATOR_RESOURCES = {"requests": {"cpu": "25m", "memory": "80Mi"}, "limits": {"memory": "256Mi"}}
 """An engine emulator's pod: measured idle and busy (bench/emulator_footprint.py); no cpu limit, as for engines."""
-EMULATOR_KV_EVENT_PORTS = (("kv-events", 5557), ("kv-replay", 5558))
+EMULATOR_KV_EVENT_PORTS = (("kv-events", emulator_contract.KV_EVENTS_PORT),
+                           ("kv-replay", emulator_contract.KV_EVENTS_REPLAY_PORT))
 EMULATOR_STARTUP_SECONDS = 120
 
 _UNITS = {"Ki": 1, "Mi": 1024, "Gi": 1024 ** 2, "Ti": 1024 ** 3}
@@ -88,6 +91,23 @@ def kv_transfer_config(spec: DisaggregatedInferenceSpec, role: str) -> dict[str,
                                      if spec.kv_transfer.mode == "push" else None)
 
 
+def kv_events_config(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[str, Any] | None:
+    """vLLM's `--kv-events-config` (vllm/config/kv_events.py) for a role's engines, or None when they publish no
+    events (spec.kv_events). The endpoints bind every interface on DP rank 0's ports (wire_env.kv_events_ports);
+    vLLM adds its rank to each port for the other data-parallel ranks. Prefix caching, which the events report on,
+    is vLLM's default, and the spec refuses args that turn it off."""
+    if not spec.kv_events:
+        return None
+    events, replay = kv_events_ports(spec, role_name)
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events[0]}",
+            "replay_endpoint": f"tcp://*:{replay[0]}", "topic": wire_kv_events.TOPIC}
+
+
+def kv_events_ports(spec: DisaggregatedInferenceSpec, role_name: str) -> tuple[range, range]:
+    """The role's KV event ports, events then replay, one of each per data-parallel rank (index = rank)."""
+    return wire_env.kv_events_ports(role_spec(spec, role_name).data_parallel_size)
+
+
 def emulator_args(spec: DisaggregatedInferenceSpec, role_name: str) -> list[str]:
     """`disagg emulator` arguments (connector/emulator/flags.py); its identity comes from the same env as an
     engine's."""
@@ -122,6 +142,9 @@ def engine_args(spec: DisaggregatedInferenceSpec, role_name: str) -> list[str]:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     args += ["--shutdown-timeout", str(spec.engine.drain_seconds)]
     args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role_name), separators=(",", ":"))]
+    events = kv_events_config(spec, role_name)
+    if events is not None:  # absent otherwise: a CR that does not ask keeps the engine arguments it had
+        args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
     return args + list(spec.engine.args) + list(role.args)
 
 
@@ -214,6 +237,9 @@ def engine_env(cr: DisaggregatedInference, role_name: str) -> list[dict[str, Any
         # The plugin runs inside vLLM's engine core, which does not know the API server's port it advertises.
         _env(wire_env.HTTP_PORT, spec.engine.port),
     ]
+    if spec.kv_events and not spec.emulated:  # the emulator advertises the ports it bound itself
+        events, replay = kv_events_ports(spec, role_name)
+        env += [_env(wire_env.KV_EVENTS_PORT, events[0]), _env(wire_env.KV_EVENTS_REPLAY_PORT, replay[0])]
     if spec.uses_plugin:
         env.append(_env("PYTHONPATH", PLUGIN_DIR))  # the init container's copy of disagg.connector
     hub = spec.model.source.hub
@@ -342,6 +368,10 @@ def _container_ports(spec: DisaggregatedInferenceSpec, role: RoleSpec) -> list[d
               for i, p in enumerate(side_channel_ports(spec, role))]
     if spec.emulated:
         ports += [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in EMULATOR_KV_EVENT_PORTS]
+    elif spec.kv_events:
+        events, replay = wire_env.kv_events_ports(role.data_parallel_size)
+        ports += [{"name": f"kv-events-{i}", "containerPort": p, "protocol": "TCP"} for i, p in enumerate(events)]
+        ports += [{"name": f"kv-replay-{i}", "containerPort": p, "protocol": "TCP"} for i, p in enumerate(replay)]
     return ports
 
 
