@@ -43,6 +43,16 @@ class KvEventPublisher:
         self.published = 0
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def port(self) -> int:
+        """The port the PUB socket is bound to (the one asked for, or the one picked for `tcp://...:*`)."""
+        return _bound_port(self.pub)
+
+    @property
+    def replay_port(self) -> int | None:
+        """The replay socket's bound port; None without one."""
+        return None if self.replay is None else _bound_port(self.replay)
+
     def start(self) -> None:
         if self.replay is not None:
             self._task = asyncio.create_task(self._serve_replay(), name="kv-event-replay")
@@ -81,3 +91,8 @@ class KvEventPublisher:
         if self.replay is not None:
             self.replay.close(linger=0)
         self.ctx.term()
+
+
+def _bound_port(socket: zmq.asyncio.Socket) -> int:
+    endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)  # e.g. tcp://0.0.0.0:5557, tcp://[::]:5557
+    return int(endpoint.rsplit(":", 1)[1])

@@ -2,9 +2,9 @@
 real one, serving until SIGTERM, then leaving the rendezvous and draining as a stopping engine does.
 
 Its advertisement is the plugin's own (`connector/plugin/advertiser.build_advertisement`), from the same env, with
-the emulator's transport (`EMULATED`) and no KV metadata: the router and the operator cannot tell it from an
-engine, and a human can (`/v1/models` is owned by `disagg-engine-emulator`, the log says so on every start, and
-`/metrics` has `disagg_emulator_info`).
+the emulator's transport (`EMULATED`), no KV metadata and the KV event endpoints its publisher bound: the router and
+the operator cannot tell it from an engine, and a human can (`/v1/models` is owned by `disagg-engine-emulator`, the
+log says so on every start, and `/metrics` has `disagg_emulator_info`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from aiohttp import web
 
@@ -91,9 +91,13 @@ def identity(args: argparse.Namespace, profile: EmulatorProfile, env: Mapping[st
     return Identity(settings, host)
 
 
-def advertisement(ident: Identity, side_channel_port: int) -> EngineAdvertisement:
-    return build_advertisement(ident.settings, {}, None, contract.TRANSPORT, ident.side_channel_host,
-                               side_channel_port)
+def advertisement(ident: Identity, side_channel_port: int,
+                  publisher: KvEventPublisher | None = None) -> EngineAdvertisement:
+    """The plugin's advertisement of this emulator; with its KV event publisher, the ports that publisher bound."""
+    settings = ident.settings
+    if publisher is not None:
+        settings = replace(settings, kv_events_port=publisher.port, kv_events_replay_port=publisher.replay_port)
+    return build_advertisement(settings, {}, None, contract.TRANSPORT, ident.side_channel_host, side_channel_port)
 
 
 class Emulator:
@@ -150,7 +154,8 @@ class Emulator:
         if s.rendezvous_url:
             url, token, token_file = s.rendezvous_url, s.token, s.token_file
             self.registration = EngineRegistration(
-                None, advertisement(self.ident, self.side_port), heartbeat_seconds=s.heartbeat_seconds,
+                None, advertisement(self.ident, self.side_port, self.publisher),
+                heartbeat_seconds=s.heartbeat_seconds,
                 client_factory=lambda: RendezvousClient(url, token=token, token_file=token_file, timeout=5.0))
             self.registration.start()
 

@@ -41,7 +41,14 @@ def build_advertisement(s: PluginSettings, payloads: Mapping[tuple[int, int], by
         tp_size=s.tp_size, pp_size=s.pp_size, dp_size=s.dp_size, block_size=s.block_size,
         layout_key=s.layout_key, kv_mode=s.kv_mode, transport=transport,
         kv_metadata=kv_metadata.encode(payloads, compatibility_hash) if payloads else None,
-        lease_seconds=LEASE_HEARTBEATS * s.heartbeat_seconds)
+        lease_seconds=LEASE_HEARTBEATS * s.heartbeat_seconds,
+        kv_events_endpoints=_per_rank(host, s.kv_events_port, s.dp_size),
+        kv_events_replay_endpoints=_per_rank(host, s.kv_events_replay_port if s.kv_events_port else None, s.dp_size))
+
+
+def _per_rank(host: str, port: int | None, dp_size: int) -> list[str] | None:
+    """One `tcp://host:port` per data-parallel rank, as vLLM offsets each rank's KV event ports by its rank."""
+    return None if port is None else [f"tcp://{host}:{port + rank}" for rank in range(dp_size)]
 
 
 class EngineAdvertiser:
