@@ -172,6 +172,8 @@ REJECTED = [
                                         "(tensorParallelSize 2 * pipelineParallelSize 1 * dataParallelSize 1)"),
     ("cpu-decode-dp2", {"accelerator.profile": "cpu", "decode.dataParallelSize": 2},
      "spec.decode.tensorParallelSize", "the cpu profile runs one rank per engine pod, but decode has 2"),
+    ("prefix-aware-events-port-taken", {"router.policy": "prefix-aware", "engine.port": 5558},
+     "spec.router.policy", "prefix-aware puts the prefill engines' KV event ports at 5557-5558"),
 ]
 
 
@@ -235,6 +237,7 @@ ACCEPTED = [
     ("router-overload-bounds", {"router.maxInflight": 0, "router.maxInflightPerEngine": 8, "router.maxQueue": 0,
                                 "router.queueWaitSeconds": 0.25}),
     ("pvc-source", {"model.source": {"pvc": {"claimName": "weights"}}}),
+    ("prefix-aware", {"router.policy": "prefix-aware"}),
     ("quantities-and-free-form", {"prefill.resources": {"requests": {"cpu": 32, "memory": "256Gi"}},
                                   "decode.affinity": {"nodeAffinity": {"anything": ["goes"]}}}),
     ("push-with-push-connector", {"kvTransfer.connector": "NixlPushConnector"}),
