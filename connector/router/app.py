@@ -76,6 +76,9 @@ class Metrics:
                                       "answering (a stopping or dead decode)", registry=r)
         self.engines = Gauge("disagg_router_engines", "Engines known, by role and state", ["role", "state"],
                              registry=r)
+        self.pair_waiting = Gauge("disagg_router_pair_waiting", "Requests held for a prefill/decode pair while none "
+                                  "is available (up to --pair-wait-seconds): demand a fleet scaled to zero cannot "
+                                  "serve yet", registry=r)
 
 
 class AdmissionMetrics(Collector):
@@ -186,9 +189,13 @@ class Router:
         if legs is not None or self.s.pair_wait <= 0:
             return legs
         deadline = time.monotonic() + self.s.pair_wait
-        while legs is None and time.monotonic() < deadline:
-            await asyncio.sleep(PAIR_POLL_SECONDS)
-            legs = await self.admission.admit(exclude, holding=True)
+        self.m.pair_waiting.inc()
+        try:
+            while legs is None and time.monotonic() < deadline:
+                await asyncio.sleep(PAIR_POLL_SECONDS)
+                legs = await self.admission.admit(exclude, holding=True)
+        finally:
+            self.m.pair_waiting.dec()
         return legs
 
     def _timeout(self) -> aiohttp.ClientTimeout:

@@ -5,7 +5,8 @@ Pure: the caller fetches the text (and names each source by its pod); nothing he
 Read from the routers (connector/router/app.py, `Metrics` and `AdmissionMetrics`):
 - `disagg_router_admitted_total` and `disagg_router_rejected_total{reason}`: arrivals and refusals (see
   `router_window` for why not `disagg_router_requests_total`);
-- `disagg_router_queue_length`: requests waiting for a slot;
+- `disagg_router_queue_length` and `disagg_router_pair_waiting`: requests waiting for a slot, and for a pair when
+  there is none (a router older than that gauge exports none: 0);
 - `disagg_router_ttft_seconds`, `disagg_router_handoff_seconds`: TTFT and KV handoff.
 Read from the engines (vLLM 0.32's families, which the emulator exports too: connector/emulator/metrics.py):
 - prefill: `vllm:request_prompt_tokens` (mean input tokens);
@@ -36,6 +37,7 @@ from .observed import EngineLoad, RouterWindow
 ROUTER_ADMITTED = "disagg_router_admitted_total"
 ROUTER_REJECTED = "disagg_router_rejected_total"
 ROUTER_QUEUE = "disagg_router_queue_length"
+ROUTER_PAIR_WAITING = "disagg_router_pair_waiting"
 ROUTER_TTFT = "disagg_router_ttft_seconds"
 ROUTER_HANDOFF = "disagg_router_handoff_seconds"
 PROMPT_TOKENS = "vllm:request_prompt_tokens"
@@ -335,8 +337,9 @@ def router_window(before: Snapshot, after: Snapshot, seconds: float, percentile:
     middleware's 500. As arrivals it would lag every change of load by the requests' duration, and at zero it would
     show a request held for a pair only when its pairWaitSeconds end in a 503.
 
-    `queued` is `disagg_router_queue_length` at `after` (requests waiting for a slot; a request held for a pair when
-    there is none is not in it). `idle_seconds`, when not given: 0 with arrivals, else `seconds` (no request for at
+    `queued` is `disagg_router_queue_length` + `disagg_router_pair_waiting` at `after`: requests waiting for a slot,
+    and requests held for a pair while there is none (at zero, the demand that wakes the fleet).
+    `idle_seconds`, when not given: 0 with arrivals, else `seconds` (no request for at
     least the window); a caller that keeps windows passes its own (the previous idle time plus `seconds` while
     nothing arrives). Raises ValueError when `after` has no router, or a source of it is not a disagg router."""
     if not after.sources:
@@ -346,7 +349,8 @@ def router_window(before: Snapshot, after: Snapshot, seconds: float, percentile:
     arrivals = round(increase(before, after, ROUTER_ADMITTED)) + rejected
     # The window checks itself (the percentile among the rest) before the quantiles are read at that percentile.
     counted = RouterWindow(seconds=seconds, arrivals=arrivals, rejected=rejected,
-                           queued=round(_gauge(after, ROUTER_QUEUE)), percentile=percentile,
+                           queued=round(_gauge(after, ROUTER_QUEUE) + _gauge(after, ROUTER_PAIR_WAITING)),
+                           percentile=percentile,
                            idle_seconds=idle_seconds if idle_seconds is not None else 0.0 if arrivals else seconds)
     return replace(counted, ttft_ms=_percentile_ms(histogram_increase(before, after, ROUTER_TTFT), percentile),
                    handoff_ms=_percentile_ms(histogram_increase(before, after, ROUTER_HANDOFF), percentile))

@@ -282,6 +282,35 @@ async def test_over_http_arrivals_are_requests_as_the_router_takes_or_refuses_th
             assert w.ttft_ms is not None and scrape.histogram_increase(s1, s2, scrape.ROUTER_TTFT).count == 2
 
 
+@pytest.mark.timeout(30)
+async def test_over_http_a_request_held_for_a_pair_while_there_is_none_is_queued():
+    """A fleet at zero: the router holds the request for a pair (pairWaitSeconds) and the window shows it queued,
+    the demand that wakes the fleet; once engines come, it is served and nothing is queued."""
+    board = KvBoard()
+    p, d = StubEngine("p-0", "prefill", board=board), StubEngine("d-0", "decode", board=board)
+    engines: list = []
+    async with stub_engines(p, d):
+        r = Router(EnginePool("push", lambda: list(engines)), Settings(mode="push", pair_wait=30))
+        async with serving(r.app()) as url, aiohttp.ClientSession() as http:
+            async def scraped() -> scrape.Snapshot:
+                async with http.get(url + "/metrics") as resp:
+                    return scrape.parse({"router-0": await resp.text()})
+
+            async def post() -> int:
+                async with http.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as resp:
+                    await resp.read()
+                    return resp.status
+
+            s0 = await scraped()
+            held = asyncio.create_task(post())
+            await until(lambda: r.m.registry.get_sample_value(scrape.ROUTER_PAIR_WAITING) == 1)
+            s1 = await scraped()
+            assert (scrape.router_window(s0, s1, seconds=5, percentile=90).queued, held.done()) == (1, False)
+            engines += [p.advertisement(), d.advertisement()]
+            assert await held == 200
+            assert scrape.router_window(s1, await scraped(), seconds=5, percentile=90).queued == 0
+
+
 # -- the engines -----------------------------------------------------------------------------------------------------
 def engine(role: str) -> EngineMetrics:
     return EngineMetrics("tiny", profile="cpu-kv64k", role=role, kv_mode="push", max_model_len=8192, block_size=16,
