@@ -32,6 +32,23 @@ Key = tuple[str, str]
 """(namespace, name) of a DisaggregatedInference."""
 
 
+_ROLE_FAMILIES = {
+    "desired": ("disagg_planner_desired_replicas", "Engines the autoscaling planner decided for the role"),
+    "needed": ("disagg_planner_needed_replicas", "Engines the role's load calls for before cooldowns, step limits "
+               "and minReplicas/maxReplicas (for an HPA or KEDA)"),
+    "demand": ("disagg_planner_demand_tokens_per_second", "Offered load in the role's tokens (prefill: prompt "
+               "tokens, decode: output tokens) per second"),
+    "floor": ("disagg_planner_throughput_floor_replicas", "Engines the demand needs at the policy's per-engine "
+              "throughput (absent without one)"),
+    "latency": ("disagg_planner_slo_latency_seconds", "The role's SLO latency at the policy's percentile (prefill: "
+                "TTFT, decode: TPOT; absent with no sample)"),
+    "kv": ("disagg_planner_kv_usage", "KV cache in use over the role's engines, in engines' worth"),
+    "waiting": ("disagg_planner_waiting_requests", "Requests waiting in the role's engines"),
+    "running": ("disagg_planner_running_requests", "Sequences running in the role's engines"),
+}
+"""Per-role series: key -> (metric name, help)."""
+
+
 class PlannerDecisions(Collector):
     def __init__(self) -> None:
         self._last: dict[Key, Decision] = {}
@@ -49,26 +66,7 @@ class PlannerDecisions(Collector):
         with self._lock:
             last = dict(self._last)
         labels = ["namespace", "name", "role"]
-        families = {
-            "desired": GaugeMetricFamily("disagg_planner_desired_replicas", "Engines the autoscaling planner decided "
-                                         "for the role", labels=labels),
-            "needed": GaugeMetricFamily("disagg_planner_needed_replicas", "Engines the role's load calls for before "
-                                        "cooldowns, step limits and minReplicas/maxReplicas (for an HPA or KEDA)",
-                                        labels=labels),
-            "demand": GaugeMetricFamily("disagg_planner_demand_tokens_per_second", "Offered load in the role's tokens "
-                                        "(prefill: prompt tokens, decode: output tokens) per second", labels=labels),
-            "floor": GaugeMetricFamily("disagg_planner_throughput_floor_replicas", "Engines the demand needs at the "
-                                       "policy's per-engine throughput (absent without one)", labels=labels),
-            "latency": GaugeMetricFamily("disagg_planner_slo_latency_seconds", "The role's SLO latency at the policy's "
-                                         "percentile (prefill: TTFT, decode: TPOT; absent with no sample)",
-                                         labels=labels),
-            "kv": GaugeMetricFamily("disagg_planner_kv_usage", "KV cache in use over the role's engines, in engines' "
-                                    "worth", labels=labels),
-            "waiting": GaugeMetricFamily("disagg_planner_waiting_requests", "Requests waiting in the role's engines",
-                                         labels=labels),
-            "running": GaugeMetricFamily("disagg_planner_running_requests", "Sequences running in the role's engines",
-                                         labels=labels),
-        }
+        families = {key: GaugeMetricFamily(name, doc, labels=labels) for key, (name, doc) in _ROLE_FAMILIES.items()}
         kinds = GaugeMetricFamily("disagg_planner_decision", "1 for the kind of the planner's last decision for the "
                                   "CR (Rescale, Steady, Limited, Waiting), 0 for the others",
                                   labels=["namespace", "name", "kind"])
