@@ -100,10 +100,20 @@ class OpenLoop(threading.Thread):
         with self.ticked:
             i = len(self.sent)
             outcome = Outcome(time.monotonic())
-            t = threading.Thread(target=streamed, args=(self.url, i % len(PROMPTS), outcome), daemon=True)
+            t = threading.Thread(target=self._one, args=(i % len(PROMPTS), outcome), daemon=True)
             t.start()
             self.sent.append((i % len(PROMPTS), outcome, t))
             self.ticked.notify_all()
+
+    def _one(self, prompt_index: int, outcome: Outcome) -> None:
+        streamed(self.url, prompt_index, outcome)
+        with self.ticked:
+            self.ticked.notify_all()
+
+    def wait_until(self, predicate, timeout: float = 300) -> None:
+        """Until `predicate` holds of the requests sent and finished (checked at each send and each answer)."""
+        with self.ticked:
+            assert self.ticked.wait_for(predicate, timeout), f"not reached in {timeout} s"
 
     def finish(self) -> list[tuple[int, Outcome]]:
         self.halt.set()
@@ -128,8 +138,7 @@ def test_a_push_prefill_stopped_as_the_kubelet_does_under_load_loses_no_request(
     load = OpenLoop(url + "/v1/completions")
     load.start()
     try:
-        while len([o for _, o, _ in load.sent if o.done]) < 10:  # the stream is going
-            time.sleep(0.1)
+        load.wait_until(lambda: sum(1 for _, o, _ in load.sent if o.done) >= 10)  # the stream is going
         api_server = prefill.processes()[0]
         for _ in range(BURST):
             load.send()
@@ -147,8 +156,7 @@ def test_a_push_prefill_stopped_as_the_kubelet_does_under_load_loses_no_request(
         prefill.start().wait_ready()
         await_status(url + "/health", timeout=60)
         n = len(load.sent)
-        while len(load.sent) < n + 10:
-            time.sleep(0.1)
+        load.wait_until(lambda: len(load.sent) >= n + 10)
     finally:
         results = load.finish()
     bad = [(round(o.sent - t_stop, 2), round(o.done - t_stop, 2), o.status, o.error, o.text[:40], i)
