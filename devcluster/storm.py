@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Iterable
@@ -61,7 +62,8 @@ def corpus_windows(text: str, lengths: Iterable[int], seed: int = 0) -> list[str
 
 async def record(session: aiohttp.ClientSession, url: str, endpoint: Endpoint, prompt: str,
                  max_tokens: int) -> Reference:
-    """The greedy answer to `prompt` and its least top-2 margin (vLLM's logprobs)."""
+    """The greedy answer to `prompt` and its least top-2 margin (vLLM's logprobs; NaN, which no bound passes, when
+    the engine returns none)."""
     ref = Reference(endpoint, prompt, max_tokens, "", 0.0)
     body = ref.body(stream=False)
     if endpoint == "chat":
@@ -73,6 +75,9 @@ async def record(session: aiohttp.ClientSession, url: str, endpoint: Endpoint, p
         if r.status != 200:
             raise RuntimeError(f"recording a reference failed: HTTP {r.status} {answer}")
     choice = answer["choices"][0]
+    if choice.get("logprobs") is None:  # an engine emulator computes none: its answers have no margin to measure
+        return Reference(endpoint, prompt, max_tokens,
+                         choice["message"]["content"] if endpoint == "chat" else choice["text"], math.nan)
     if endpoint == "chat":
         text = choice["message"]["content"]
         tops = [[t["logprob"] for t in tok["top_logprobs"]] for tok in choice["logprobs"]["content"]]
