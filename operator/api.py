@@ -838,6 +838,33 @@ class RevisionStatus(Model):
     """Its decode engines."""
 
 
+class RoleAutoscalingStatus(Model):
+    """The autoscaling planner's last word on one role."""
+
+    desired: int = 0
+    """The count it decided."""
+    needed: int = 0
+    """What the load called for before cooldowns, step limits and minReplicas/maxReplicas."""
+    reason: str = ""
+    """Why, in words: the signal that moved the count or held it."""
+    last_scale_time: str | None = None
+    """When it last changed the role's count (RFC 3339); unset until it has. Its cooldowns count from here."""
+
+
+class AutoscalingStatus(Model):
+    """What the built-in autoscaling planner decided last (spec.autoscaling)."""
+
+    decision: str = ""
+    """Rescale (a count changed), Steady (both stay), Limited (a role's load calls for more than its maxReplicas) or
+    Waiting (engines of an earlier decision are still starting)."""
+    last_decision_time: str | None = None
+    """When it decided (RFC 3339)."""
+    prefill: RoleAutoscalingStatus = Field(default_factory=RoleAutoscalingStatus)
+    """Its decision for prefill."""
+    decode: RoleAutoscalingStatus = Field(default_factory=RoleAutoscalingStatus)
+    """Its decision for decode."""
+
+
 class DisaggregatedInferenceStatus(Model):
     """Observed state, written by the operator."""
 
@@ -868,6 +895,8 @@ class DisaggregatedInferenceStatus(Model):
     """Every revision that still has engines, oldest first; more than one while a rollout moves."""
     rollout: str | None = None
     """Complete, RollingOut or Blocked (the Progressing condition's reason), for the printer column."""
+    autoscaling: AutoscalingStatus | None = None
+    """The autoscaling planner's last decision; unset while spec.autoscaling is."""
 
 
 NAME_LIMIT = names.max_cr_name_length(MAX_ENGINE_REPLICAS)
