@@ -481,8 +481,11 @@ class Reconciler:
                                 _now())
         if status == cr.status:
             return status
+        body = status.dump()
+        if status.autoscaling is None and cr.status is not None and cr.status.autoscaling is not None:
+            body["autoscaling"] = None  # spec.autoscaling was removed: a merge patch deletes a key only by null
         try:
-            await self.client.patch(DinfResource.Status, meta["name"], {"status": status.dump()},
+            await self.client.patch(DinfResource.Status, meta["name"], {"status": body},
                                     namespace=meta["namespace"], patch_type=PatchType.MERGE)
         except ApiError as e:
             metrics.API_ERRORS.labels(kind=api.KIND, verb="patch-status").inc()

@@ -463,4 +463,6 @@ def compute_status(spec: DisaggregatedInferenceSpec, generation: int, observed: 
         revision=rollout.revision if rollout else (previous.revision if previous else None),
         revisions=list(rollout.revisions) if rollout else (list(previous.revisions) if previous else []),
         rollout=progressing.reason,
+        # The autoscaling executor writes its own part; a pass keeps it while spec.autoscaling is set.
+        autoscaling=previous.autoscaling if previous is not None and spec.autoscaling is not None else None,
     )

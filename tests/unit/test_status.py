@@ -5,7 +5,15 @@ import asyncio
 
 import pytest
 
-from disagg.operator.api import Condition, DisaggregatedInferenceSpec, DisaggregatedInferenceStatus, RoleStatus
+from disagg.operator.api import (
+    AutoscalingSpec,
+    AutoscalingStatus,
+    Condition,
+    DisaggregatedInferenceSpec,
+    DisaggregatedInferenceStatus,
+    RoleAutoscalingStatus,
+    RoleStatus,
+)
 from disagg.operator.builders import OperatorImages
 from disagg.operator.reconciler import Coalescer, Reconciler
 from disagg.operator.scale.counts import RoleScale
@@ -612,3 +620,12 @@ def test_a_pod_that_recovered_leaves_the_problem_index():
 
 def engine_running_ready() -> list[dict]:
     return [{"name": "engine", "ready": True, "state": {"running": {}}}]
+
+
+def test_a_pass_keeps_the_planners_status_while_spec_autoscaling_is_set_and_drops_it_after():
+    planner = AutoscalingStatus(decision="Steady", prefill=RoleAutoscalingStatus(desired=2, reason="steady"))
+    previous = compute_status(SPEC, 3, SETTLED, "e", None, "t").model_copy(update={"autoscaling": planner})
+    scaled = SPEC.model_copy(update={"autoscaling": AutoscalingSpec.model_validate(
+        {"prefill": {"maxReplicas": 4}, "decode": {"maxReplicas": 4}})})
+    assert compute_status(scaled, 3, SETTLED, "e", previous, "t").autoscaling == planner
+    assert compute_status(SPEC, 3, SETTLED, "e", previous, "t").autoscaling is None
