@@ -47,6 +47,7 @@ import kopf
 from pydantic import ValidationError
 
 from . import api, metrics, names, role_api
+from .autoscale_executor import Autoscaler
 from .generations import Generations
 from .meta import timestamp
 from .reconciler import ApplyFailed, Key, Reconciler
@@ -654,6 +655,37 @@ async def poll_transports_forever(memo: kopf.Memo, interval: float) -> None:
             if entry is None or entry.cr is None or not entry.cr.spec.advertises:
                 continue  # unparsable, or a vendor connector: its engines never report a transport
             transports.request(key, force=True)
+
+
+async def autoscale_forever(memo: kopf.Memo, interval: float) -> None:
+    """Every `interval`, one autoscaling tick for each CR with spec.autoscaling, all at once
+    (autoscale_executor.py). CRs that left the index, or dropped spec.autoscaling, are forgotten."""
+    autoscaler: Autoscaler = memo.autoscaler
+    log = logging.getLogger("disagg.autoscale")
+    while True:
+        await asyncio.sleep(interval)
+        indexes = _saved_indexes(memo)
+        if not indexes:
+            continue
+        ticks: dict[Key, Coroutine[Any, Any, None]] = {}
+        for key, store in list(indexes["dinf_index"].items()):
+            entry: IndexedCR | None = next(iter(store), None)
+            if entry is None or entry.cr is None or entry.deleting or entry.cr.spec.autoscaling is None:
+                continue
+            live = {role: r for role, r in _live_roles(indexes["role_index"], key).items() if r is not None}
+            ticks[key] = autoscaler.tick(entry.cr, live, _poster(memo, entry.body))
+        for key in autoscaler.keys() - set(ticks):
+            autoscaler.forget(key)
+        for key, result in zip(ticks, await asyncio.gather(*ticks.values(), return_exceptions=True), strict=True):
+            if isinstance(result, Exception):
+                metrics.AUTOSCALE_TICKS.labels(result="error").inc()
+                log.error("%s/%s: autoscaling tick failed: %r", *key, result)
+
+
+def _poster(memo: kopf.Memo, body: kopf.Body) -> Callable[[str, str, str], None]:
+    def post(kind: str, reason: str, message: str) -> None:
+        post_event(memo, kopf.warn if kind == "Warning" else kopf.info, body, reason, message)
+    return post
 
 
 STATUS_KINDS = frozenset({"StatefulSet", "Deployment"})  # the children whose state status reads (observe)

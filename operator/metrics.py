@@ -1,7 +1,9 @@
 """Prometheus metrics of the operator (served on --metrics-port)."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+from .planner_metrics import PlannerDecisions
 
 RECONCILES = Counter("disagg_operator_reconciles_total", "Reconcile passes by trigger and result",
                      ["trigger", "result"])
@@ -24,3 +26,9 @@ ROLLOUT_BLOCKED = Counter("disagg_operator_rollouts_blocked_total", "Rollouts th
 PASSES_WAITING = Gauge("disagg_operator_passes_waiting",
                        "Reconcile passes waiting for one of --max-concurrent-passes slots, by lane: urgent (may turn "
                        "a CR Ready or not Ready; served first) and other", ["lane"])
+AUTOSCALE_TICKS = Counter("disagg_operator_autoscale_ticks_total",
+                          "Autoscaling planner ticks, by result: decided, blind (could not observe), first (a window "
+                          "needs a second scrape), error", ["result"])
+PLANNER_DECISIONS = PlannerDecisions()
+"""The planner's last decision per CR (disagg_planner_*), read at scrape time."""
+REGISTRY.register(PLANNER_DECISIONS)

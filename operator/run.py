@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the operator reads each deployment's rendezvous (for the engines' reported transport, "
                         "condition TransportVerified); {name} and {namespace} are the CR's. Default: the in-cluster "
                         f"Service, {DEFAULT_RENDEZVOUS_TEMPLATE}")
+    p.add_argument("--autoscale-seconds", type=float, default=15.0,
+                   help="how often the autoscaling planner observes and decides, for each CR with spec.autoscaling")
     p.add_argument("--transport-poll-seconds", type=float, default=30.0,
                    help="how often every deployment's rendezvous is read (in the background; default 30)")
     p.add_argument("--rendezvous-timeout", type=float, default=2.0,
@@ -75,7 +77,9 @@ def main(args: argparse.Namespace) -> None:
 
     os.environ["DISAGG_RESYNC_SECONDS"] = str(args.resync_seconds)
     from . import handlers, watch_selectors  # handlers: registers the handlers with kopf's default registry
+    from .autoscale_executor import Autoscaler
     from .generations import Generations
+    from .metrics import PLANNER_DECISIONS
     from .no_diffbase import NoDiffBase
     from .reconciler import Reconciler
     from .transport import TransportPoller, check_template
@@ -86,6 +90,8 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"disagg operator: {e}") from None
     if args.max_concurrent_passes < 1:
         raise SystemExit("disagg operator: --max-concurrent-passes must be at least 1")
+    if args.autoscale_seconds <= 0:
+        raise SystemExit("disagg operator: --autoscale-seconds must be positive")
     if args.transport_poll_seconds <= 0 or args.rendezvous_timeout <= 0:
         raise SystemExit("disagg operator: --transport-poll-seconds and --rendezvous-timeout must be positive")
 
@@ -116,11 +122,15 @@ def main(args: argparse.Namespace) -> None:
             on_change=lambda key: handlers.transport_changed(memo, key, transport_log))
         memo.resync = asyncio.create_task(handlers.resync_forever(memo, logging.getLogger("disagg.resync")))
         memo.transport_poll = asyncio.create_task(handlers.poll_transports_forever(memo, args.transport_poll_seconds))
+        memo.autoscaler = Autoscaler(memo.reconciler.client, PLANNER_DECISIONS)
+        memo.autoscale = asyncio.create_task(handlers.autoscale_forever(memo, args.autoscale_seconds))
 
     @kopf.on.cleanup()
     async def close(memo: kopf.Memo, **_: Any) -> None:
         memo.resync.cancel()
         memo.transport_poll.cancel()
+        memo.autoscale.cancel()
+        await memo.autoscaler.close()
         await memo.transports.close()
         await memo.reconciler.client.close()
 
