@@ -10,79 +10,16 @@ through its Service. tests/node/test_push_e2e.py covers the real engines' own gr
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import pytest
 from lightkube.types import PatchType
 
 from disagg.operator import names
 from support.dinf import Dinf, create
-from support.engines import completion
 from support.kube import watch_until
+from support.traffic import Stream, settled
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
-
-
-class Stream:
-    """One request after another through the router's Service, each outcome with the decode engine that served it
-    (the router's response header)."""
-
-    def __init__(self, url: str) -> None:
-        import threading
-
-        self.url, self.results, self.halt = url, [], threading.Event()
-        self._done = threading.Condition()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import json
-        import urllib.error
-        import urllib.request
-
-        body = json.dumps(completion("steady stream " * 20)).encode()
-        while not self.halt.is_set():
-            req = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=300) as r:
-                    r.read()
-                    outcome = (r.status, r.headers.get("X-Disagg-Decode-Engine", ""))
-            except urllib.error.HTTPError as e:
-                outcome = (e.code, e.read().decode(errors="replace")[:200])
-            except OSError as e:
-                outcome = (0, repr(e))
-            with self._done:
-                self.results.append(outcome)
-                self._done.notify_all()
-
-    def start(self) -> Stream:
-        self._thread.start()
-        return self
-
-    def await_more(self, n: int, timeout: float = 120) -> None:
-        with self._done:
-            want = len(self.results) + n
-            assert self._done.wait_for(lambda: len(self.results) >= want, timeout), \
-                f"{len(self.results)} of {want} requests in {timeout} s"
-
-    def stop(self) -> list[tuple[int, str]]:
-        self.halt.set()
-        self._thread.join(320)
-        return self.results
-
-
-def settled(prefill: int, decode: int) -> Callable[[object], bool]:
-    """The CR Ready on its current spec, one revision left, every wanted engine ready and advertised."""
-    def check(dinf: object) -> bool:
-        d = dinf.to_dict() if hasattr(dinf, "to_dict") else dinf  # type: ignore[union-attr]
-        status = d.get("status") or {}
-        conds = {c["type"]: c for c in status.get("conditions", [])}
-        revisions = status.get("revisions", [])
-        return (status.get("observedGeneration") == d["metadata"].get("generation")
-                and conds.get("Ready", {}).get("status") == "True" and len(revisions) == 1
-                and all(tuple(revisions[0].get(role, {}).get(k) for k in ("replicas", "ready", "advertised"))
-                        == (n, n, n) for role, n in (("prefill", prefill), ("decode", decode))))
-    return check
 
 
 @pytest.fixture(scope="module")
