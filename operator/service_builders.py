@@ -135,7 +135,8 @@ def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dic
                "--stop-delay-seconds", str(ROUTER_STOP_DELAY_SECONDS), "--drain-seconds", str(ROUTER_DRAIN_SECONDS),
                "--max-inflight", str(spec.router.max_inflight),
                "--max-inflight-per-engine", str(spec.router.max_inflight_per_engine),
-               "--max-queue", str(spec.router.max_queue), "--queue-wait-seconds", f"{spec.router.queue_wait_seconds:g}"]
+               "--max-queue", str(spec.router.max_queue), "--queue-wait-seconds", f"{spec.router.queue_wait_seconds:g}",
+               "--served-model-name", spec.served_name]
     if spec.router.access_log:
         command += ["--access-log", "-"]
     # Ready once it has read the rendezvous, whether or not a pair is up: a router that is not Ready takes the

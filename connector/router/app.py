@@ -161,6 +161,8 @@ class Settings:
     max_inflight_per_engine: int = flags.DEFAULT_MAX_INFLIGHT_PER_ENGINE
     max_queue: int = flags.DEFAULT_MAX_QUEUE
     queue_wait: float = flags.DEFAULT_QUEUE_WAIT_SECONDS
+    served_model_name: str | None = None
+    """Listed by /v1/models when no decode engine answers it; None: a 503 then."""
 
 
 PAIR_POLL_SECONDS = 0.1
@@ -175,6 +177,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.synced = synced  # the engine source has been read once (the rendezvous' first snapshot)
         self.access_log = access_log
+        self.started = int(time.time())
         self.stopping = False  # SIGTERM came: not ready, so load balancers stop sending new connections
         self.admission = Admission(pool, max_inflight=settings.max_inflight or None,
                                    max_per_engine=settings.max_inflight_per_engine or None,
@@ -463,6 +466,8 @@ class Router:
                     self.pool.refused(engine.engine_id)
             except ValueError:  # not JSON (or not UTF-8): ask the next engine
                 log.warning("engine %s answered /v1/models with something other than JSON", engine.engine_id)
+        if self.s.served_model_name is not None:
+            return web.json_response(pd.model_list(self.s.served_model_name, self.started))
         return error_response(503, "no healthy decode engine")
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -653,7 +658,7 @@ def build(args: argparse.Namespace) -> tuple[Router, list[tuple[EngineCache, Ren
                         request_timeout=args.request_timeout, transfer_id=args.transfer_id,
                         pair_wait=args.pair_wait_seconds, max_inflight=args.max_inflight,
                         max_inflight_per_engine=args.max_inflight_per_engine, max_queue=args.max_queue,
-                        queue_wait=args.queue_wait_seconds)
+                        queue_wait=args.queue_wait_seconds, served_model_name=args.served_model_name)
     synced = tasks[0][0].synced.is_set if tasks else lambda: True
     access_log = AccessLog.open(args.access_log) if args.access_log else None
     return Router(EnginePool(args.mode, source), settings, synced=synced, access_log=access_log), tasks

@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-seconds", type=float, default=60.0,
                    help="then stop listening (new connections are refused) and give the requests in flight, streams "
                         "included, this long to finish; whatever is left is cut, and the router exits")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model the engines serve: /v1/models lists it while no decode engine answers (a "
+                        "deployment scaled to zero, or starting), so clients that check the model first wait for a "
+                        "pair like any request instead of failing")
     p.add_argument("--transfer-id", action="store_true", help="also send transfer_id (newer vLLM push protocol)")
     p.add_argument("--access-log", metavar="PATH",
                    help="append one JSON line per request with its exact timings (connector/router/access_log.py); "

@@ -176,3 +176,11 @@ def compatible(prefill: EngineAdvertisement, decode: EngineAdvertisement) -> boo
     """Only engines of one rollout generation (layout key) and one transfer mode are ever paired."""
     return (prefill.role == "prefill" and decode.role == "decode" and prefill.layout_key == decode.layout_key
             and prefill.kv_mode == decode.kv_mode and prefill.block_size == decode.block_size)
+
+
+def model_list(served_model_name: str, created: int) -> dict[str, Any]:
+    """/v1/models in OpenAI's shape, naming the deployment's model: the router's own answer while no decode engine
+    answers it (`owned_by` says so)."""
+    return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                        "owned_by": "disagg-router", "root": served_model_name, "parent": None,
+                                        "permission": []}]}

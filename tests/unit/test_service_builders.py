@@ -24,7 +24,7 @@ def test_router_and_rendezvous():
                             "http://qwen-rendezvous.ml.svc:8080", "--port", "8000", "--pair-wait-seconds", "30",
                             "--stop-delay-seconds", "5", "--drain-seconds", "60", "--max-inflight", "1024",
                             "--max-inflight-per-engine", "256", "--max-queue", "256", "--queue-wait-seconds", "1",
-                            "--access-log", "-"]
+                            "--served-model-name", "Qwen/Qwen3-32B", "--access-log", "-"]
     # SIGTERM: 5 s more of serving while the Service's endpoints catch up, 60 s for the requests in flight, and the
     # kubelet's SIGKILL only after both.
     assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 75
