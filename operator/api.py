@@ -858,7 +858,8 @@ class AutoscalingStatus(Model):
     """Rescale (a count changed), Steady (both stay), Limited (a role's load calls for more than its maxReplicas) or
     Waiting (engines of an earlier decision are still starting)."""
     last_decision_time: str | None = None
-    """When it decided (RFC 3339)."""
+    """When this status was last written (RFC 3339): at every decision that changes a count, the decision's kind
+    or what a role needs, and at least once a minute while the planner runs (so an old time means it stopped)."""
     prefill: RoleAutoscalingStatus = Field(default_factory=RoleAutoscalingStatus)
     """Its decision for prefill."""
     decode: RoleAutoscalingStatus = Field(default_factory=RoleAutoscalingStatus)

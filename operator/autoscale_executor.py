@@ -11,7 +11,8 @@ Hard bounds:
 - each scrape is one GET bounded by `timeout`; an engine that does not answer is left out of its role's load,
   a router that does not answer out of the window (its counters are read again at the next tick, which then
   covers both windows);
-- status.autoscaling is written only when it changed, and never by the reconcile passes (they keep it).
+- status.autoscaling is written when outcome() says (a change a reader acts on, or a minute since the last
+  write), and never by the reconcile passes (they keep it).
 """
 from __future__ import annotations
 
@@ -151,7 +152,7 @@ class Autoscaler:
         for role, count in result.writes.items():
             if not await self._write(roles[role], key[0], count):
                 return  # changed under the planner: the next tick decides from the new count
-        if result.status != previous:
+        if result.publish:
             await self._publish(key, result.status)
         for event in result.events:
             post(event.type, event.reason, event.message)

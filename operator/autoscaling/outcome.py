@@ -8,6 +8,8 @@ Invariants (tests/unit/test_autoscaling_outcome.py):
 - a role's last_scale_time moves exactly when its count is written, so the planner's cooldowns (fed by
   `seconds_since_scale`) count from the last real change, whoever made it: a count changed by someone else (kubectl
   scale, an HPA) since the last decision restarts the cooldown too;
+- the status is published when what a reader acts on changed (the decision's kind, a role's count, need or scale
+  time), and otherwise at most every STATUS_REFRESH_SECONDS;
 - events mark transitions, never a repeat: one `Scaled` per count written (with the reason), `ScaledToZero` and
   `WokeFromZero` when both roles go to 0 or leave it, and one `ScaleLimited` warning when a role first hits its
   maximum (or its reason changes while held there), so a steady load adds no event.
@@ -30,6 +32,10 @@ class Event:
     message: str
 
 
+STATUS_REFRESH_SECONDS = 60.0
+"""status.autoscaling is written again at least this often while nothing in it but the reasons' readings moves."""
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     writes: dict[Role, int]
@@ -37,6 +43,10 @@ class Outcome:
     status: AutoscalingStatus
     """status.autoscaling after the decision."""
     events: tuple[Event, ...]
+    publish: bool = True
+    """Whether to write `status`: its decision, counts, needs or scale times changed, or the one stored is
+    STATUS_REFRESH_SECONDS old. The reasons quote the window's readings, which move at every tick; writing them
+    each time would be a status write per CR per tick."""
 
 
 def _stamp(t: datetime) -> str:
@@ -90,4 +100,16 @@ def outcome(decision: Decision, running: dict[Role, int], previous: AutoscalingS
                 events.append(Event("Warning", "ScaleLimited", f"{role}: {d.reason}"))
     status = AutoscalingStatus(decision=type(decision).__name__, last_decision_time=at, prefill=roles["prefill"],
                                decode=roles["decode"])
-    return Outcome(writes, status, tuple(events))
+    return Outcome(writes, status, tuple(events), _publish(previous, status, now))
+
+
+def _moved(status: AutoscalingStatus) -> tuple[object, ...]:
+    """What a reader acts on: all but the time and the reasons."""
+    return (status.decision, *((r.desired, r.needed, r.last_scale_time) for r in (status.prefill, status.decode)))
+
+
+def _publish(previous: AutoscalingStatus | None, status: AutoscalingStatus, now: datetime) -> bool:
+    if previous is None or previous.last_decision_time is None or _moved(previous) != _moved(status):
+        return True
+    written = datetime.fromisoformat(previous.last_decision_time.replace("Z", "+00:00"))
+    return (now - written).total_seconds() >= STATUS_REFRESH_SECONDS

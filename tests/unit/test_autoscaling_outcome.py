@@ -72,3 +72,15 @@ def test_a_role_held_at_its_maximum_warns_once_not_every_decision():
     assert [e.reason for e in outcome(hotter, {"prefill": 8, "decode": 2}, again.status,
                                       T0 + timedelta(seconds=60)).events] == ["ScaleLimited"]
     assert first.status.decision == "Limited"
+
+
+def test_the_status_is_written_when_a_reader_would_see_a_change_and_else_once_a_minute():
+    steady = decide(observe(2, 2, rps=1, isl=3000, osl=700, ttft=400, tpot=50, kv=(1.0, 1.0)), POLICY)
+    first = outcome(steady, {"prefill": 2, "decode": 2}, None, T0)
+    assert first.publish
+    busier = decide(observe(2, 2, rps=1, isl=3000, osl=700, ttft=450, tpot=55, kv=(1.1, 1.0)), POLICY)
+    assert busier.counts == steady.counts and busier.prefill.reason != steady.prefill.reason  # readings moved
+    assert not outcome(busier, {"prefill": 2, "decode": 2}, first.status, T0 + timedelta(seconds=59)).publish
+    assert outcome(busier, {"prefill": 2, "decode": 2}, first.status, T0 + timedelta(seconds=60)).publish
+    step = decide(observe(2, 2, rps=5, isl=1600, osl=200, ttft=300, tpot=40), POLICY)
+    assert outcome(step, {"prefill": 2, "decode": 2}, first.status, T0 + timedelta(seconds=1)).publish
