@@ -18,6 +18,8 @@ Triggers:
   before the rollout moves toward it; the echoes of the operator's own writes are not news (RoleScaler.changed);
 - a periodic resync → thorough full pass (drift correction; writes nothing when nothing drifted), once the
   passes waiting for a slot have gone (resync_forever);
+- the autoscaling planner (autoscale_forever, every --autoscale-seconds, for each CR with spec.autoscaling) wrote a
+  role object's count → the role object's event, as for any scaler;
 - the engines' reported transport changed in the deployment's rendezvous → status pass. A poll loop reads
   every deployment's rendezvous in the background (transport.py); passes only read its cached answers.
 
