@@ -34,7 +34,7 @@ from prometheus_client.registry import Collector
 from pydantic import TypeAdapter, ValidationError
 
 from ..wire.advertisement import EngineAdvertisement
-from . import flags
+from . import flags, kv_index
 from . import pd_protocol as pd
 from .access_log import AccessLog, Attempt
 from .admission import Admission, Legs, Overloaded
@@ -42,6 +42,7 @@ from .engine_pool import EnginePool
 
 if TYPE_CHECKING:
     from ..rendezvous.client import EngineCache, RendezvousClient
+    from .kv_follow import KvFollower
 
 log = logging.getLogger("disagg.router")
 T = TypeVar("T")
@@ -163,6 +164,10 @@ class Settings:
     queue_wait: float = flags.DEFAULT_QUEUE_WAIT_SECONDS
     served_model_name: str | None = None
     """Listed by /v1/models when no decode engine answers it; None: a 503 then."""
+    policy: str = "least-loaded"
+    """prefix-aware also follows every engine's KV events into an index (kv_follow.py); both route least-loaded."""
+    kv_index_max_engines: int = kv_index.DEFAULT_MAX_ENGINES
+    kv_index_max_blocks_per_engine: int = kv_index.DEFAULT_MAX_BLOCKS_PER_ENGINE
 
 
 PAIR_POLL_SECONDS = 0.1
@@ -183,6 +188,9 @@ class Router:
                                    max_per_engine=settings.max_inflight_per_engine or None,
                                    max_queue=settings.max_queue, queue_wait=settings.queue_wait)
         self.m.registry.register(AdmissionMetrics(self.admission))
+        self.kv: KvFollower | None = None
+        if settings.policy == "prefix-aware":
+            self.kv = _kv_follower(pool, settings, self.m)
 
     async def _await_pair(self, exclude: AbstractSet[str], legs: Legs | None) -> Legs | None:
         """`legs`, or when admission found no pair at all, a pair within `pair_wait` seconds (an engine restarting,
@@ -522,9 +530,28 @@ class Router:
         # No aiohttp TraceConfig: a session with one awaits a signal for every response chunk of every leg.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024, limit_per_host=256))
         probe = asyncio.create_task(self.pool.probe_forever(self.session))
+        follow = asyncio.create_task(self.kv.run()) if self.kv is not None else None
         yield
         probe.cancel()
+        if follow is not None and self.kv is not None:
+            follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follow
+            await self.kv.close()
         await self.session.close()
+
+
+def _kv_follower(pool: EnginePool, settings: Settings, metrics: Metrics) -> KvFollower:
+    """The KV index and its subscriptions, to every engine the pool may route to; imported here so that a
+    least-loaded router never loads ZMQ."""
+    from .kv_follow import KvFollower
+    from .kv_metrics import KvMetrics
+
+    index = kv_index.KvIndex(max_engines=settings.kv_index_max_engines,
+                             max_blocks_per_engine=settings.kv_index_max_blocks_per_engine)
+    follower = KvFollower(pool.engines, index)
+    metrics.registry.register(KvMetrics(follower))
+    return follower
 
 
 async def _freeze_when_started(_app: web.Application) -> None:
@@ -658,7 +685,9 @@ def build(args: argparse.Namespace) -> tuple[Router, list[tuple[EngineCache, Ren
                         request_timeout=args.request_timeout, transfer_id=args.transfer_id,
                         pair_wait=args.pair_wait_seconds, max_inflight=args.max_inflight,
                         max_inflight_per_engine=args.max_inflight_per_engine, max_queue=args.max_queue,
-                        queue_wait=args.queue_wait_seconds, served_model_name=args.served_model_name)
+                        queue_wait=args.queue_wait_seconds, served_model_name=args.served_model_name,
+                        policy=args.policy, kv_index_max_engines=args.kv_index_max_engines,
+                        kv_index_max_blocks_per_engine=args.kv_index_max_blocks_per_engine)
     synced = tasks[0][0].synced.is_set if tasks else lambda: True
     access_log = AccessLog.open(args.access_log) if args.access_log else None
     return Router(EnginePool(args.mode, source), settings, synced=synced, access_log=access_log), tasks
@@ -694,7 +723,8 @@ def main(args: argparse.Namespace) -> None:
     # before it cancels the handler. tests/unit/test_router_graceful_stop.py holds it to the whole drain.
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None, loop=event_loop(),
                 shutdown_timeout=args.drain_seconds / 2,
-                print=lambda *_: log.info("router (%s, %s) on %s:%d", args.mode, args.dispatch, args.host, args.port))
+                print=lambda *_: log.info("router (%s, %s, %s) on %s:%d", args.mode, args.dispatch, args.policy,
+                                          args.host, args.port))
 
 
 def _graceful_stop(router: Router, delay: float, drain: float) -> Callable[[web.Application], Awaitable[None]]:

@@ -4,12 +4,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from . import kv_index
+
 DEFAULT_MAX_INFLIGHT = 1024
 """Requests in flight per router: what one router core streams at a steady pace (the operator's default too)."""
 DEFAULT_MAX_INFLIGHT_PER_ENGINE = 256
 """Legs in flight per engine: vLLM's default batch (max_num_seqs) on most GPUs, twice a CPU engine's."""
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_QUEUE_WAIT_SECONDS = 1.0
+POLICIES = ("least-loaded", "prefix-aware")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +54,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model the engines serve: /v1/models lists it while no decode engine answers (a "
                         "deployment scaled to zero, or starting), so clients that check the model first wait for a "
                         "pair like any request instead of failing")
+    p.add_argument("--policy", choices=POLICIES, default="least-loaded",
+                   help="how requests pick engines. Both route least-loaded for now; prefix-aware also subscribes to "
+                        "the KV events of every engine that advertises them and keeps an index of the blocks each "
+                        "holds (disagg_router_kv_* metrics)")
+    per_block = kv_index.BYTES_PER_BLOCK
+    default_mib = kv_index.DEFAULT_MAX_ENGINES * kv_index.DEFAULT_MAX_BLOCKS_PER_ENGINE * per_block >> 20
+    p.add_argument("--kv-index-max-engines", type=_positive, default=kv_index.DEFAULT_MAX_ENGINES,
+                   help="prefix-aware: engine event streams indexed at most (one per data-parallel rank); more are "
+                        "left out of the index. The index costs at most this x --kv-index-max-blocks-per-engine x "
+                        f"{per_block} bytes ({default_mib} MiB by default, for a router of about 50 MiB)")
+    p.add_argument("--kv-index-max-blocks-per-engine", type=_positive,
+                   default=kv_index.DEFAULT_MAX_BLOCKS_PER_ENGINE,
+                   help="prefix-aware: blocks indexed per engine at most; past it the least recently stored is "
+                        "dropped, which only shortens predictions. Set it at or above the engines' KV capacity in "
+                        "blocks (the default is 2M tokens in blocks of 128)")
     p.add_argument("--transfer-id", action="store_true", help="also send transfer_id (newer vLLM push protocol)")
     p.add_argument("--access-log", metavar="PATH",
                    help="append one JSON line per request with its exact timings (connector/router/access_log.py); "
@@ -62,6 +80,13 @@ def _count(text: str) -> int:
     n = int(text)
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if not 1 <= n <= 1 << 30:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 2**30, got {n}")
     return n
 
 

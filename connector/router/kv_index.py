@@ -28,8 +28,8 @@ Bounds. At most `max_engines` engines: `add_engine` refuses more (`engines_refus
 num_gpu_blocks) and the engine always evicts first. Past it (removals were missed, or the engine is larger), storing
 a block first drops the engine's least recently stored one (`blocks_evicted`), which can only shorten predictions.
 A held block costs at most `BYTES_PER_BLOCK` (190 to 250 measured; tests/unit/test_kv_index.py holds the bound),
-so the index stays under max_engines * max_blocks_per_engine * BYTES_PER_BLOCK: 64 engines of 131,072 blocks, 2.3
-GiB, by default; a router sizes both to its fleet.
+so the index stays under max_engines * max_blocks_per_engine * BYTES_PER_BLOCK: 32 engines of 16,384 blocks, 150
+MiB, by default (`index_bound_bytes`); a router sizes both to its fleet (its --kv-index-* flags).
 """
 from __future__ import annotations
 
@@ -42,11 +42,16 @@ from dataclasses import dataclass, field
 
 from ..wire import kv_events as wire
 
-DEFAULT_MAX_ENGINES = 64
-DEFAULT_MAX_BLOCKS_PER_ENGINE = 131_072
-"""2M tokens in blocks of 16: above the KV capacity of Qwen3-32B at TP4 on a p5en.48xlarge."""
+DEFAULT_MAX_ENGINES = 32
+"""Twice the 16 engines (8 prefill, 8 decode) of the emulated fleet issue 36 benchmarks: a rollout's surge adds new
+engine ids before the old ones leave."""
+DEFAULT_MAX_BLOCKS_PER_ENGINE = 16_384
+"""2M tokens in the operator's blocks of 128 (spec.engine.blockSize): above the KV capacity of Qwen3-32B at TP4 on
+a p5en.48xlarge (12,457 blocks; connector/emulator/profiles.py). Engines of smaller blocks or a larger cache evict
+in the index first, which only shortens its predictions."""
 BYTES_PER_BLOCK = 300
-"""An upper bound of the memory one held block costs (its key, the engine's 64-bit hash, two dict entries)."""
+"""An upper bound of the memory one held block costs (its key, the engine's 64-bit hash, two dict entries). A
+block's tokens are not kept, so the cost does not depend on the block size."""
 KEY_BYTES = 16
 _TOKEN = "I"  # 4-byte unsigned: every vocabulary's ids fit
 assert array(_TOKEN).itemsize == 4
@@ -170,6 +175,11 @@ class KvIndex:
             return
         self._engines[engine_id] = _Engine(expected=expect)
         self.counters.resets += 1
+
+    @property
+    def index_bound_bytes(self) -> int:
+        """What the index's blocks may cost at most (the module docstring's bound)."""
+        return self.max_engines * self.max_blocks_per_engine * BYTES_PER_BLOCK
 
     def __contains__(self, engine_id: object) -> bool:
         return engine_id in self._engines
