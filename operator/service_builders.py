@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import names
-from .api import DisaggregatedInference
+from .api import PREFIX_AWARE, DisaggregatedInference
 from .engine_builders import rendezvous_token_env
 from .meta import OperatorImages, cr_name, http_probe, namespace_of, object_meta
 
@@ -137,6 +137,9 @@ def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dic
                "--max-inflight-per-engine", str(spec.router.max_inflight_per_engine),
                "--max-queue", str(spec.router.max_queue), "--queue-wait-seconds", f"{spec.router.queue_wait_seconds:g}",
                "--served-model-name", spec.served_name]
+    # Only when asked: a least-loaded CR's routers keep the command they had, so an operator upgrade rolls none.
+    if spec.router.policy == PREFIX_AWARE:
+        command += ["--policy", PREFIX_AWARE]
     if spec.router.access_log:
         command += ["--access-log", "-"]
     # Ready once it has read the rendezvous, whether or not a pair is up: a router that is not Ready takes the

@@ -71,6 +71,26 @@ def test_the_router_gets_its_overload_bounds_from_the_cr_and_its_defaults_are_th
          flags.DEFAULT_QUEUE_WAIT_SECONDS)
 
 
+def test_a_prefix_aware_cr_tells_its_routers_and_a_least_loaded_one_leaves_their_command_as_it_was():
+    import argparse
+
+    from disagg.connector.router import flags
+
+    def command(router: dict) -> list[str]:
+        [c] = child(build_children(make_cr({"router": router})), "Deployment", "qwen-router")["spec"]["template"][
+            "spec"]["containers"]
+        return c["command"]
+
+    default = command({})
+    assert "--policy" not in default and command({"policy": "least-loaded"}) == default
+    aware = command({"policy": "prefix-aware"})
+    assert aware[aware.index("--policy"):aware.index("--policy") + 2] == ["--policy", "prefix-aware"]
+    assert [a for a in aware if a not in ("--policy", "prefix-aware")] == default  # nothing else changes
+    p = argparse.ArgumentParser()
+    flags.add_arguments(p)
+    assert p.parse_args(aware[2:]).policy == "prefix-aware" and p.parse_args(default[2:]).policy == "least-loaded"
+
+
 @pytest.mark.parametrize("router", [{"maxInflight": -1}, {"maxQueue": "many"}, {"queueWaitSeconds": 3601},
                                     {"maxInflightPerEngine": 1.5}])
 def test_junk_overload_bounds_are_refused(router):
