@@ -28,7 +28,8 @@ the RSS of the router and rendezvous processes sampled every 30 s over the run (
 
   flock /tmp/disagg-engines.lock .venv/bin/python bench/soak.py            # --seconds 3600: about 75 minutes
   .venv/bin/python bench/soak.py --emulated 8 --out bench/results/soak_emulated.json   # 16 emulated engines
-Writes bench/results/soak.json. `--quick` runs a few minutes to check the harness.
+Writes bench/results/soak.json, and every container's log beside it (`<out>.logs/`, not committed: tens of MB).
+`--quick` runs a few minutes to check the harness.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,7 @@ class Sent:
     wrong: bool = False
     error: str | None = None
     ttft: float | None = None
+    request_id: str | None = None  # the router's X-Request-Id of a failed request (its access log line has the why)
 
 
 @dataclass
@@ -123,6 +125,8 @@ class Load:
         report = storm.StormReport()
         await storm.background(session, self.url, rng, (64, 320), report)
         r.status, r.ttft = report.background[0]
+        if report.background_errors:
+            _, r.request_id, r.error = report.background_errors[0]
         r.done = round(time.monotonic() - self.t0, 3)
 
     async def _verify(self, session: aiohttp.ClientSession, r: Sent, rng: random.Random) -> None:
@@ -296,6 +300,46 @@ def restarts(dep: Deployment, seen: dict[tuple[str, str], int], at: float) -> li
     return found
 
 
+# -- logs ------------------------------------------------------------------------------------------------------------
+class LogFollower:
+    """Every container of the soak's pods (and the operator's) followed into a file of its own as long as it runs
+    (`kubectl logs -f --timestamps`), so that a failure can be read in the logs of pods the soak itself deleted
+    since: the routers' access logs (one JSON line per request, with its X-Request-Id, attempts and error), the
+    engines', the rendezvous' and the operator's."""
+
+    def __init__(self, dep: Deployment, into: Path) -> None:
+        self.dep, self.into = dep, into
+        self.procs: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
+        into.mkdir(parents=True, exist_ok=True)
+
+    def poll(self) -> None:
+        for namespace in (NAMESPACE, OPERATOR_NAMESPACE):
+            for pod in self.dep.pods(namespace=namespace):
+                for status in (pod.status.containerStatuses or []) if pod.status else []:
+                    key = (pod.metadata.name, status.name)
+                    running = status.state is not None and status.state.running is not None
+                    if key in self.procs or not running:
+                        continue
+                    out = (self.into / f"{pod.metadata.name}_{status.name}.log").open("ab")
+                    self.procs[key] = subprocess.Popen(
+                        [str(self.dep.c.bin / "kubectl"), f"--kubeconfig={self.dep.c.kubeconfig}", "logs", "-f",
+                         "--timestamps", "-n", namespace, pod.metadata.name, "-c", status.name],
+                        stdout=out, stderr=subprocess.STDOUT)
+                    out.close()  # the child has its own descriptor
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.to_thread(self.poll)
+            try:
+                await asyncio.wait_for(stop.wait(), 3)
+            except TimeoutError:
+                pass
+        for proc in self.procs.values():
+            proc.terminate()
+        for proc in self.procs.values():
+            proc.wait(10)
+
+
 # -- memory ----------------------------------------------------------------------------------------------------------
 def rss_by_component() -> dict[str, int]:
     """KiB of resident memory of every `disagg router` and `disagg rendezvous` process on this host (the pods'),
@@ -350,6 +394,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         memory: list[dict[str, Any]] = []
         stop_memory = asyncio.Event()
         sampler = asyncio.create_task(sample_memory(memory, load.t0, stop_memory))
+        logs = asyncio.create_task(LogFollower(dep, args.out.with_suffix(".logs")).run(stop_memory))
         rng = random.Random(args.seed)
         faults: list[dict[str, Any]] = []
         crashes: list[dict[str, Any]] = []
@@ -383,8 +428,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await running
         stop_memory.set()
         await sampler
+        await logs
         crashes += await asyncio.to_thread(restarts, dep, seen, time.monotonic() - load.t0)
-        return {**made, **report(args, load, faults, memory, ready), "crashes": crashes}
+        return {**made, **report(config(args), load.sent, faults, memory, ready), "crashes": crashes}
     except BaseException:
         _dump_logs(c)
         raise
@@ -417,15 +463,25 @@ async def await_recovered_setup(dep: Deployment, args: argparse.Namespace) -> fl
 
 
 def _blame(r: Sent, faults: list[dict[str, Any]]) -> str:
-    """The window of the first injected fault whose time (from the fault to its recovery, `end_s`) the request's
-    life overlaps, else the window it was sent in."""
+    """The fault a failed request is charged to: the latest injected fault that began before the request failed
+    (`done`) and whose time, from the fault to its recovery (`end_s`), the request's life overlaps; else the window
+    it was sent in. The latest, not the first: a request that waited through one fault and then failed in the next
+    (a router killed under it) failed of the second."""
     end = r.done if r.done is not None else r.at
+    charged = r.window
     for f in faults:
         start = f["at_s"]
         stop = f["end_s"] if f["recovery_s"] is not None else float("inf")
-        if f["injected"] and r.at <= stop and end >= start:
-            return str(f["window"])
-    return r.window
+        if f["injected"] and start <= end and r.at <= stop:
+            charged = str(f["window"])
+    return charged
+
+
+def _lived_through(r: Sent, faults: list[dict[str, Any]]) -> list[str]:
+    """Every injected fault whose time the request's life overlaps."""
+    end = r.done if r.done is not None else r.at
+    return [str(f["window"]) for f in faults if f["injected"] and f["at_s"] <= end
+            and r.at <= (f["end_s"] if f["recovery_s"] is not None else float("inf"))]
 
 
 def _cause(r: Sent) -> str:
@@ -438,14 +494,25 @@ def _cause(r: Sent) -> str:
     return f"HTTP {r.status}"
 
 
-def report(args: argparse.Namespace, load: Load, faults: list[dict[str, Any]], memory: list[dict[str, Any]],
+def config(args: argparse.Namespace) -> dict[str, Any]:
+    return {"seconds": args.seconds, "emulated": args.emulated, "rate": args.rate, "verify_rate": args.verify_rate,
+            "quiet_s": args.quiet, "faults": list(args.faults), "partition_s": args.partition_seconds,
+            "slow_link": f"prefill sends at most {args.slow_rate} (tc tbf) for {args.slow_seconds} s",
+            "seed": args.seed,
+            "deployment": (f"{args.emulated} emulated prefill and {args.emulated} emulated decode engines "
+                           "(profile cpu-kv64k)" if args.emulated else "tiny-cpu: 1 prefill, 1 decode")
+                          + " in push mode on the real node, 2 routers, pair wait 240 s"}
+
+
+def report(config: dict[str, Any], sent: list[Sent], faults: list[dict[str, Any]], memory: list[dict[str, Any]],
            ready: float) -> dict[str, Any]:
-    failed = [r for r in load.sent if r.status != 200 or r.wrong]
+    """The result's body from what a run saw (also from a saved result again: `--report`)."""
+    failed = [r for r in sent if r.status != 200 or r.wrong]
     not_injected = {f["window"] for f in faults if not f["injected"]}
     for r in failed:  # a failure belongs to the fault its request lived through, even if sent before it
         r.window = _blame(r, faults)
     by_window: dict[str, list[Sent]] = {}
-    for r in load.sent:
+    for r in sent:
         by_window.setdefault(r.window, []).append(r)
     for f in faults:
         rows = by_window.get(f["window"], [])
@@ -467,22 +534,15 @@ def report(args: argparse.Namespace, load: Load, faults: list[dict[str, Any]], m
         k["recovery_p50_s"], k["recovery_max_s"] = quantile(rec, 0.5), max(rec) if rec else None
         k["unrecovered"] = sum(x is None for x in k["recovery_s"])
         k["causes"] = dict(k["causes"])
-    ttft = [r.ttft for r in load.sent if r.kind == "background" and r.status == 200 and r.ttft is not None]
+    ttft = [r.ttft for r in sent if r.kind == "background" and r.status == 200 and r.ttft is not None]
     grow = {comp: [m[comp] for m in memory if comp in m] for comp in ("router", "rendezvous")}
     return {
         "benchmark": "soak", "issue": 34, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
-        "config": {"seconds": args.seconds, "emulated": args.emulated, "rate": args.rate,
-                   "verify_rate": args.verify_rate,
-                   "quiet_s": args.quiet, "faults": list(args.faults), "partition_s": args.partition_seconds,
-                   "slow_link": f"prefill sends at most {args.slow_rate} (tc tbf) for {args.slow_seconds} s",
-                   "seed": args.seed,
-                   "deployment": (f"{args.emulated} emulated prefill and {args.emulated} emulated decode engines "
-                                  "(profile cpu-kv64k)" if args.emulated else "tiny-cpu: 1 prefill, 1 decode")
-                                 + " in push mode on the real node, 2 routers, pair wait 240 s"},
+        "config": config,
         "ready_s": round(ready, 1),
-        "headline": {"requests": len(load.sent), "failed": len(failed),
-                     "wrong": sum(r.wrong for r in load.sent),
+        "headline": {"requests": len(sent), "failed": len(failed),
+                     "wrong": sum(r.wrong for r in sent),
                      "failed_by_cause": dict(Counter(_cause(r) for r in failed)),
                      "failed_outside_faults": sum(r.window == "quiet" or r.window in not_injected for r in failed),
                      "faults": len(faults) - len(not_injected), "faults_not_injected": len(not_injected),
@@ -494,10 +554,26 @@ def report(args: argparse.Namespace, load: Load, faults: list[dict[str, Any]], m
                                             "max": max(grow["rendezvous"], default=None),
                                             "last": grow["rendezvous"][-1] if grow["rendezvous"] else None}},
         "by_kind": kinds,
+        "failures": [{"at": r.at, "done": r.done, "kind": r.kind, "status": r.status, "charged_to": r.window,
+                      "lived_through": _lived_through(r, faults), "request_id": r.request_id, "error": r.error}
+                     for r in failed],
         "faults": faults,
         "memory": memory,
-        "requests": [asdict(r) for r in load.sent],
+        "requests": [asdict(r) for r in sent],
     }
+
+
+def rereport(path: Path) -> dict[str, Any]:
+    """A saved result with its report made again: the run's provenance, rows and faults kept, the report's parts
+    recomputed, and the command that recomputed them."""
+    saved = json.loads(path.read_text())
+    known = {f.name for f in fields(Sent)}
+    sent = [Sent(**{k: v for k, v in row.items() if k in known}) for row in saved["requests"]]
+    faults = [{k: v for k, v in f.items() if k not in ("requests", "failed", "causes")} for f in saved["faults"]]
+    body = report(saved["config"], sent, faults, saved["memory"], saved["ready_s"])
+    run_of = {k: saved[k] for k in ("command", "commit", "machine", "when", "loadavg_at_end")}
+    return {**saved, **body, **run_of, "crashes": saved.get("crashes", []),
+            "reported_by": {"command": " ".join(sys.argv), "commit": result_file.provenance()["commit"]}}
 
 
 def main() -> int:
@@ -517,13 +593,16 @@ def main() -> int:
                    help="N emulated engines per role instead of the real pair (the soak at fleet size)")
     p.add_argument("--quick", action="store_true", help="a few minutes, a few faults")
     p.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    p.add_argument("--report", type=Path, metavar="FILE",
+                   help="no run: the report of a saved result again (its requests, faults and memory), as this "
+                        "version of the report reads them, written to --out")
     args = p.parse_args()
     unknown = set(args.faults) - set(FAULTS)
     if unknown:
         p.error(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
     if args.quick:
         args.seconds, args.quiet = 240.0, (10.0, 20.0)
-    result = asyncio.run(run(args))
+    result = rereport(args.report) if args.report else asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(result_file.dumps(result) + "\n")
     h = result["headline"]

@@ -117,6 +117,8 @@ class StormReport:
     aborted: list[Aborted] = field(default_factory=list)
     background: list[tuple[int, float | None]] = field(default_factory=list)
     """Background requests: (status, TTFT seconds or None)."""
+    background_errors: list[tuple[int, str | None, str]] = field(default_factory=list)
+    """The failed ones: (status, the router's X-Request-Id if it answered, the error body or exception)."""
     kept: list[tuple[int, float | None]] = field(default_factory=list)
     """The control run's would-be aborted requests, whose clients waited: (status, TTFT seconds or None)."""
     references: list[Reference] = field(default_factory=list)
@@ -232,10 +234,12 @@ async def background(session: aiohttp.ClientSession, url: str, rng: random.Rando
     body = {"model": "tiny", "prompt": _random_prompt(rng, lengths), "max_tokens": rng.randint(8, 48),
             "temperature": 0, "ignore_eos": True, "stream": True}
     try:
-        status, _, _, ttft = await _stream(session, url + PATHS["completions"], body)
-    except (aiohttp.ClientError, TimeoutError):
-        status, ttft = 0, None
+        status, text, rid, ttft = await _stream(session, url + PATHS["completions"], body)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        status, text, rid, ttft = 0, repr(e)[:300], None, None
     report.background.append((status, ttft))
+    if status != 200:
+        report.background_errors.append((status, rid, text))
 
 
 async def storm(url: str, references: list[Reference], *, seconds: float, abort_rate: float,
