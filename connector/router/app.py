@@ -164,6 +164,9 @@ class Settings:
     queue_wait: float = flags.DEFAULT_QUEUE_WAIT_SECONDS
     served_model_name: str | None = None
     """Listed by /v1/models when no decode engine answers it; None: a 503 then."""
+    retry_elsewhere: float = 5.0
+    """Seconds a retry waits for a pair without the engine that failed before it takes one with it (see
+    `_retry_legs`)."""
     policy: str = "least-loaded"
     """prefix-aware also follows every engine's KV events into an index (kv_follow.py); both route least-loaded."""
     kv_index_max_engines: int = kv_index.DEFAULT_MAX_ENGINES
@@ -192,14 +195,29 @@ class Router:
         if settings.policy == "prefix-aware":
             self.kv = _kv_follower(pool, settings, self.m)
 
-    async def _await_pair(self, exclude: AbstractSet[str], legs: Legs | None) -> Legs | None:
-        """`legs`, or when admission found no pair at all, a pair within `pair_wait` seconds (an engine restarting,
-        the rendezvous re-learning its engines after a restart), polled: pool changes come from several sources
-        (the watch, probes, failures). The request holds its request slot meanwhile; a pair found full makes it
+    async def _retry_legs(self, failed: AbstractSet[str]) -> Legs | None:
+        """The retry's pair: one without the engines that failed, waited for up to `retry_elsewhere` seconds; then
+        any pair, the failed engine's included, for the rest of `pair_wait`. An engine that failed and is still in
+        rotation after that (advertised, its probes answering: a stopping engine has left the rendezvous by then,
+        a dead one is down) is the only one of its role, as in a 1P1D deployment: a second try on it beats waiting
+        the whole pair wait for an engine that will not come, and a 502 at its end."""
+        elsewhere = min(self.s.retry_elsewhere, self.s.pair_wait)
+        legs = await self._await_pair(failed, await self.admission.admit(failed, holding=True), elsewhere)
+        if legs is None:
+            legs = await self._await_pair(frozenset(), await self.admission.admit(holding=True),
+                                          self.s.pair_wait - elsewhere)
+        return legs
+
+    async def _await_pair(self, exclude: AbstractSet[str], legs: Legs | None,
+                          seconds: float | None = None) -> Legs | None:
+        """`legs`, or when admission found no pair at all, a pair within `seconds` (default `pair_wait`: an engine
+        restarting, the rendezvous re-learning its engines after a restart), polled: pool changes come from several
+        sources (the watch, probes, failures). The request holds its request slot meanwhile; a pair found full makes it
         wait in admission's queue (Overloaded when none frees in time)."""
-        if legs is not None or self.s.pair_wait <= 0:
+        wait = self.s.pair_wait if seconds is None else seconds
+        if legs is not None or wait <= 0:
             return legs
-        deadline = time.monotonic() + self.s.pair_wait
+        deadline = time.monotonic() + wait
         self.m.pair_waiting.inc()
         try:
             while legs is None and time.monotonic() < deadline:
@@ -283,13 +301,12 @@ class Router:
 
     async def _attempts(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any],
                         attempts: list[Attempt], legs: Legs | None) -> web.StreamResponse:
-        """At most two attempts, the first on `legs` (what admission granted), each releasing its engine slots."""
+        """At most two attempts, the first on `legs` (what admission granted), each releasing its engine slots; the
+        second on another pair when one comes soon enough (`_retry_legs`)."""
         tried: set[str] = set()
         last: UpstreamFailed | None = None
         for i in range(2):
-            if i:
-                legs = await self.admission.admit(tried, holding=True)
-            legs = await self._await_pair(tried, legs)
+            legs = await (self._retry_legs(tried) if i else self._await_pair(tried, legs))
             if legs is None:
                 break
             try:

@@ -73,6 +73,9 @@ class StubEngine:
         self.max_model_len, self.layout_key, self.block_size = max_model_len, layout_key, block_size
         self.fail_status: int | None = None
         self.decode_status = 200
+        self.decode_failures = 0
+        """The next this many decode legs are answered with a 500, whatever `decode_status` says (a decode that
+        fails once and then serves)."""
         self.decode_dies_after: int | None = None
         self.decode_hold: Callable[[str, int], Awaitable[None]] | None = None
         self.tokens = ["b", "c"]
@@ -188,9 +191,13 @@ class StubEngine:
                                    "tp_size": 1}})
 
     async def _decode(self, request: web.Request, leg: Leg) -> web.StreamResponse:
-        if self.decode_status != 200:
+        status = self.decode_status
+        if self.decode_failures > 0:
+            self.decode_failures -= 1
+            status = 500
+        if status != 200:
             return web.json_response({"error": {"message": f"stand-in {self.engine_id} fails", "code":
-                                                self.decode_status}}, status=self.decode_status)
+                                                status}}, status=status)
         streamed = isinstance(leg.body, dict) and leg.body.get("stream") is True
         if streamed:
             # vLLM answers a streamed request with its 200 and headers at once, before its KV has come.

@@ -1,5 +1,6 @@
 """The router's retry: a failed prefill cancels the decode leg and the request is retried once, on another
-prefill engine; a decode that fails before the client got anything is retried once on another pair. A router on
+prefill engine; a decode that fails before the client got anything is retried once on another pair, or on the same
+one when no other comes within `retry_elsewhere` (the only decode of a 1P1D deployment). A router on
 127.0.0.1 in front of stand-in engines (tests/support/stub_engines.py): the decode stand-in waits for its KV on a
 board the prefill stand-ins post to, as a push-mode decode waits for prefill's WRITE, so a decode leg whose
 prefill failed hangs until the router cancels it."""
@@ -168,14 +169,37 @@ async def test_the_retry_waits_for_a_pair_as_the_first_attempt_does():
 
 
 @pytest.mark.timeout(30)
-async def test_a_failed_decode_with_no_other_pair_is_a_502_after_one_attempt():
+async def test_a_decode_that_keeps_failing_with_no_other_decode_is_a_502_after_a_second_try_on_it():
     async with deployment("push") as (url, router, p_a, p_b, d_1):
         d_1.board = None
         d_1.decode_status = 500
         status, _, body = await post(url)
         assert status == 502 and b"decode engine d-1" in body
-        assert (len(p_a.legs), len(p_b.legs), len(d_1.legs)) == (1, 0, 1)
-        assert metric(router, "disagg_router_decode_retries_total") == 0
+        assert (len(p_a.legs), len(p_b.legs), len(d_1.legs)) == (2, 0, 2)
+        assert metric(router, "disagg_router_decode_retries_total") == 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_decode_that_failed_once_and_is_the_only_one_serves_the_retry_instead_of_a_502_after_the_wait():
+    """1P1D: the engine that failed is still advertised and answers its probes, and no other comes. The retry waits
+    `retry_elsewhere` for another pair, then takes the same one, instead of waiting the whole pair wait for a pair
+    without it and answering 502 (what the soak saw: 502s exactly pairWaitSeconds after the request came)."""
+    board = KvBoard()
+    p_a, d_1 = StubEngine("p-a", "prefill", board=board), StubEngine("d-1", "decode", board=board)
+    d_1.decode_failures = 1
+    async with stub_engines(p_a, d_1):
+        engines = [p_a.advertisement(), d_1.advertisement()]
+        router = Router(EnginePool("push", lambda: engines),
+                        Settings(mode="push", pair_wait=60, retry_elsewhere=0.3))
+        async with serving(router.app()) as url:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            status, headers, body = await post(url)
+            took = loop.time() - t0
+    assert status == 200, body
+    assert headers[DECODE_HEADER] == "d-1" and len(d_1.legs) == 2
+    assert 0.3 <= took < 30, took  # waited for another pair first, and not for the whole pair wait
+    assert metric(router, "disagg_router_decode_retries_total") == 1
 
 
 @pytest.mark.timeout(30)
@@ -251,7 +275,8 @@ async def test_a_decode_that_dies_before_its_first_token_with_no_other_pair_is_a
             status, headers, body = await post(url, stream=True)
         assert status == 502 and headers["Content-Type"].startswith("application/json")
         assert json.loads(body)["error"]["code"] == 502 and "decode engine d-1" in json.loads(body)["error"]["message"]
-        assert len(d_1.legs) == 1 and metric(router, "disagg_router_decode_retries_total") == 0
+        # tried twice: the only decode, still in rotation, gets the retry too (`_retry_legs`)
+        assert len(d_1.legs) == 2 and metric(router, "disagg_router_decode_retries_total") == 1
 
 
 @pytest.mark.timeout(30)
