@@ -482,8 +482,12 @@ class Reconciler:
         if status == cr.status:
             return status
         body = status.dump()
+        # status.autoscaling is the autoscaling executor's to write: a pass carries it over only to compare, since
+        # its copy, read before the executor's last write, may be older (it would undo that write). When
+        # spec.autoscaling is gone the pass deletes it (a merge patch deletes a key only by null).
+        body.pop("autoscaling", None)
         if status.autoscaling is None and cr.status is not None and cr.status.autoscaling is not None:
-            body["autoscaling"] = None  # spec.autoscaling was removed: a merge patch deletes a key only by null
+            body["autoscaling"] = None
         try:
             await self.client.patch(DinfResource.Status, meta["name"], {"status": body},
                                     namespace=meta["namespace"], patch_type=PatchType.MERGE)
