@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import subprocess
@@ -328,8 +329,12 @@ class LogFollower:
                     out.close()  # the child has its own descriptor
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Until `stop`; never raises (the logs are for reading a failure, not a reason to lose the run)."""
         while not stop.is_set():
-            await asyncio.to_thread(self.poll)
+            try:
+                await asyncio.to_thread(self.poll)
+            except Exception as e:  # noqa: BLE001 - an apiserver hiccup: the next poll follows what was missed
+                log(f"  following logs: {type(e).__name__}: {e}")
             try:
                 await asyncio.wait_for(stop.wait(), 3)
             except TimeoutError:
@@ -337,7 +342,8 @@ class LogFollower:
         for proc in self.procs.values():
             proc.terminate()
         for proc in self.procs.values():
-            proc.wait(10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
 
 
 # -- memory ----------------------------------------------------------------------------------------------------------
