@@ -195,20 +195,23 @@ class Router:
         if settings.policy == "prefix-aware":
             self.kv = _kv_follower(pool, settings, self.m)
 
-    async def _retry_legs(self, failed: AbstractSet[str]) -> Legs | None:
-        """The retry's pair: one without the engines that failed, waited for up to `retry_elsewhere` seconds; then
-        any pair, the failed engine's included, for the rest of `pair_wait`. An engine that failed and is still in
-        rotation after that (advertised, its probes answering: a stopping engine has left the rendezvous by then,
-        a dead one is down) is the only one of its role, as in a 1P1D deployment: a second try on it beats waiting
-        the whole pair wait for an engine that will not come, and a 502 at its end."""
-        elsewhere = min(self.s.retry_elsewhere, self.s.pair_wait)
-        legs = await self._await_pair(failed, await self.admission.admit(failed, holding=True), elsewhere)
-        if legs is None:
-            legs = await self._await_pair(frozenset(), await self.admission.admit(holding=True),
-                                          self.s.pair_wait - elsewhere)
-        return legs
+    async def _retry_legs(self, failed: AbstractSet[str], failed_at: float) -> Legs | None:
+        """The retry's pair, within `pair_wait`: one without the engines that failed; or, once `retry_elsewhere`
+        seconds have passed and a probe sent after the failure has found each of them alive, any pair, theirs
+        included. An engine that outlived the failure and is still advertised is then the only one of its role (as
+        in a 1P1D deployment; a stopping engine has left the rendezvous): a second try on it beats waiting the whole
+        pair wait for an engine that will not come, and a 502 at its end. An engine that does not answer (killed,
+        its address gone) is never tried again this way."""
+        elsewhere_until = time.monotonic() + min(self.s.retry_elsewhere, self.s.pair_wait)
 
-    async def _await_pair(self, exclude: AbstractSet[str], legs: Legs | None,
+        def exclude() -> AbstractSet[str]:
+            if time.monotonic() < elsewhere_until or not all(self.pool.answered_since(e, failed_at) for e in failed):
+                return failed
+            return frozenset()
+
+        return await self._await_pair(exclude, await self.admission.admit(failed, holding=True))
+
+    async def _await_pair(self, exclude: AbstractSet[str] | Callable[[], AbstractSet[str]], legs: Legs | None,
                           seconds: float | None = None) -> Legs | None:
         """`legs`, or when admission found no pair at all, a pair within `seconds` (default `pair_wait`: an engine
         restarting, the rendezvous re-learning its engines after a restart), polled: pool changes come from several
@@ -222,7 +225,7 @@ class Router:
         try:
             while legs is None and time.monotonic() < deadline:
                 await asyncio.sleep(PAIR_POLL_SECONDS)
-                legs = await self.admission.admit(exclude, holding=True)
+                legs = await self.admission.admit(exclude() if callable(exclude) else exclude, holding=True)
         finally:
             self.m.pair_waiting.dec()
         return legs
@@ -304,9 +307,10 @@ class Router:
         """At most two attempts, the first on `legs` (what admission granted), each releasing its engine slots; the
         second on another pair when one comes soon enough (`_retry_legs`)."""
         tried: set[str] = set()
+        failed_at = 0.0  # when the last attempt failed (time.monotonic())
         last: UpstreamFailed | None = None
         for i in range(2):
-            legs = await (self._retry_legs(tried) if i else self._await_pair(tried, legs))
+            legs = await (self._retry_legs(tried, failed_at) if i else self._await_pair(tried, legs))
             if legs is None:
                 break
             try:
@@ -324,6 +328,7 @@ class Router:
                 attempts.append(attempt)
                 return await self._one(request, endpoint, body, legs, attempt)
             except UpstreamFailed as e:
+                failed_at = time.monotonic()
                 self.m.upstream_errors.labels(role=e.role, kind=e.kind).inc()
                 log.warning("%s", e)
                 last = e

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Set as AbstractSet
@@ -47,6 +48,7 @@ class EnginePool:
         self.down: set[str] = set()
         self.timeouts: dict[str, int] = defaultdict(int)
         self.max_model_len: dict[str, int] = {}  # from each engine's /v1/models, learned by the probes
+        self._answered: dict[str, float] = {}  # engine id -> when the last probe it answered 200 was sent
         self.probe_interval, self.probe_timeout, self.slow_strikes = probe_interval, probe_timeout, slow_strikes
         self._watches: dict[str, tuple[EngineAdvertisement, set[asyncio.Future[None]]]] = {}
 
@@ -82,6 +84,11 @@ class EnginePool:
                     continue
             return (min(matches, key=lambda e: (load.get(e.engine_id, 0), e.engine_id)), decode), True
         return None, exists
+
+    def answered_since(self, engine_id: str, since: float) -> bool:
+        """Whether a probe sent after `since` (time.monotonic()) found the engine alive: proof that it outlived
+        whatever happened then, which a probe that merely has not failed yet is not."""
+        return self._answered.get(engine_id, float("-inf")) > since
 
     def refused(self, engine_id: str) -> None:
         """A request could not connect to the engine: down until the next probe round decides. The only
@@ -121,6 +128,7 @@ class EnginePool:
         engines = self.engines()
         known = {e.engine_id for e in engines}
         departed = [e for eid, (e, _) in self._watches.items() if eid not in known]
+        sent = time.monotonic()
         results = await asyncio.gather(*(self._probe(session, e) for e in engines + departed))
         down = set()
         for engine, result in zip(engines, results, strict=False):
@@ -128,7 +136,10 @@ class EnginePool:
             self.timeouts[eid] = self.timeouts[eid] + 1 if result == "slow" else 0
             if result == "dead" or self.timeouts[eid] >= self.slow_strikes:
                 down.add(eid)
+            if result == "ok":
+                self._answered[eid] = sent
         self.down = down
+        self._answered = {eid: t for eid, t in self._answered.items() if eid in known}
         for engine, result in zip(engines + departed, results, strict=True):
             if result == "dead":
                 self._found_dead(engine.engine_id)

@@ -1,6 +1,7 @@
 """The router's retry: a failed prefill cancels the decode leg and the request is retried once, on another
 prefill engine; a decode that fails before the client got anything is retried once on another pair, or on the same
-one when no other comes within `retry_elsewhere` (the only decode of a 1P1D deployment). A router on
+one when no other comes within `retry_elsewhere` and a probe finds it alive after the failure (the only decode of a
+1P1D deployment), never on one that stopped answering. A router on
 127.0.0.1 in front of stand-in engines (tests/support/stub_engines.py): the decode stand-in waits for its KV on a
 board the prefill stand-ins post to, as a push-mode decode waits for prefill's WRITE, so a decode leg whose
 prefill failed hangs until the router cancels it."""
@@ -169,21 +170,23 @@ async def test_the_retry_waits_for_a_pair_as_the_first_attempt_does():
 
 
 @pytest.mark.timeout(30)
-async def test_a_decode_that_keeps_failing_with_no_other_decode_is_a_502_after_a_second_try_on_it():
+async def test_a_failed_decode_with_no_other_pair_is_a_502_after_one_attempt():
+    """pairWaitSeconds 0: no wait for another pair, nor for a probe to prove the failed decode alive."""
     async with deployment("push") as (url, router, p_a, p_b, d_1):
         d_1.board = None
         d_1.decode_status = 500
         status, _, body = await post(url)
         assert status == 502 and b"decode engine d-1" in body
-        assert (len(p_a.legs), len(p_b.legs), len(d_1.legs)) == (2, 0, 2)
-        assert metric(router, "disagg_router_decode_retries_total") == 1
+        assert (len(p_a.legs), len(p_b.legs), len(d_1.legs)) == (1, 0, 1)
+        assert metric(router, "disagg_router_decode_retries_total") == 0
 
 
 @pytest.mark.timeout(30)
 async def test_a_decode_that_failed_once_and_is_the_only_one_serves_the_retry_instead_of_a_502_after_the_wait():
     """1P1D: the engine that failed is still advertised and answers its probes, and no other comes. The retry waits
-    `retry_elsewhere` for another pair, then takes the same one, instead of waiting the whole pair wait for a pair
-    without it and answering 502 (what the soak saw: 502s exactly pairWaitSeconds after the request came)."""
+    `retry_elsewhere` for another pair and for a probe to find the engine alive, then takes the same pair, instead
+    of waiting the whole pair wait for a pair without it and answering 502 (what the soak saw: 502s exactly
+    pairWaitSeconds after the request came)."""
     board = KvBoard()
     p_a, d_1 = StubEngine("p-a", "prefill", board=board), StubEngine("d-1", "decode", board=board)
     d_1.decode_failures = 1
@@ -275,8 +278,7 @@ async def test_a_decode_that_dies_before_its_first_token_with_no_other_pair_is_a
             status, headers, body = await post(url, stream=True)
         assert status == 502 and headers["Content-Type"].startswith("application/json")
         assert json.loads(body)["error"]["code"] == 502 and "decode engine d-1" in json.loads(body)["error"]["message"]
-        # tried twice: the only decode, still in rotation, gets the retry too (`_retry_legs`)
-        assert len(d_1.legs) == 2 and metric(router, "disagg_router_decode_retries_total") == 1
+        assert len(d_1.legs) == 1 and metric(router, "disagg_router_decode_retries_total") == 0
 
 
 @pytest.mark.timeout(30)
@@ -303,3 +305,31 @@ async def test_a_decode_that_stalls_after_its_first_token_ends_the_stream_with_a
     assert first["choices"][0]["text"] == "b"
     assert error["error"]["code"] == 502 and "SocketTimeoutError" in error["error"]["message"]
     assert router.pool.down == set()
+
+
+@pytest.mark.timeout(30)
+async def test_a_decode_that_failed_and_stopped_answering_its_probes_is_not_tried_again():
+    """The soak's kill-decode: the engine's address is gone, so connections and probes time out and it stays
+    advertised (and not yet down) for a while. No probe proves it alive after the failure: the retry keeps waiting
+    for another decode, and takes the replacement when it comes."""
+    board = KvBoard()
+    p_a, d_old, d_new = (StubEngine("p-a", "prefill", board=board), StubEngine("d-old", "decode", board=board),
+                         StubEngine("d-new", "decode", board=board))
+    d_old.decode_failures = 1
+    async with stub_engines(p_a, d_old, d_new):
+        engines = [p_a.advertisement(), d_old.advertisement()]
+        pool = EnginePool("push", lambda: engines, probe_timeout=0.2)
+        router = Router(pool, Settings(mode="push", pair_wait=20, retry_elsewhere=0.2))
+        async with serving(router.app()) as url:
+            d_old.health_hangs = True  # from now on its probes time out, as a killed pod's do
+            request = asyncio.create_task(post(url))
+            await d_old.wait_for(lambda: len(d_old.legs) == 1)
+            probed = d_old.probes
+            # Three probe rounds since the failure, each timing out: long past retry_elsewhere, and the retry has
+            # not gone back to d-old.
+            await d_old.wait_for(lambda: d_old.probes >= probed + 3)
+            assert len(d_old.legs) == 1 and not request.done()
+            engines.append(d_new.advertisement())  # its replacement
+            status, headers, body = await request
+    assert status == 200, body
+    assert headers[DECODE_HEADER] == "d-new" and len(d_old.legs) == 1
