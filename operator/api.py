@@ -571,6 +571,11 @@ class AutoscalingSpec(Model):
     """How fast, and from how low a load, a role shrinks."""
     scale_to_zero: ScaleToZeroSpec | None = None
     """Stop both roles' engines after an idle window. Unset: each role keeps at least its minReplicas."""
+    mode: Literal["Apply", "Recommend"] = "Apply"
+    """Apply: the planner writes the counts it decides into the roles' DisaggregatedRole objects (their /scale).
+    Recommend: it only decides and publishes (status.autoscaling, the operator's disagg_planner_desired_replicas and
+    disagg_planner_needed_replicas metrics), for an HPA or KEDA of yours to act on through the same /scale; it
+    writes no count."""
 
 
 def _ranks_rule(role: str) -> dict[str, str]:
@@ -848,7 +853,11 @@ class RoleAutoscalingStatus(Model):
     reason: str = ""
     """Why, in words: the signal that moved the count or held it."""
     last_scale_time: str | None = None
-    """When it last changed the role's count (RFC 3339); unset until it has. Its cooldowns count from here."""
+    """When the role's count last changed, whoever changed it (RFC 3339); unset until it has. The planner's cooldowns
+    count from here."""
+    current: int | None = None
+    """The count the role runs after the decision: what it decided when it wrote it, else the role's count as it
+    found it. A different count at the next decision means someone else changed it."""
 
 
 class AutoscalingStatus(Model):

@@ -2,7 +2,8 @@
 `/metrics`, ask the planner, and apply what its decision means (autoscaling/outcome.py).
 
 Hard bounds:
-- a role's count is written only through its DisaggregatedRole, as `kubectl scale` or an HPA would, and only if
+- a role's count is written only with spec.autoscaling.mode Apply (the default; Recommend writes none), only
+  through its DisaggregatedRole, as `kubectl scale` or an HPA would, and only if
   the role object is still at the resourceVersion decided from (a merge patch carrying it): a count someone else
   wrote meanwhile is never overwritten unseen; the planner sees it at its next tick. The status pass that the
   write's watch event brings applies the count through the rollout machinery;
@@ -148,7 +149,8 @@ class Autoscaler:
         decision = planner.decide(observed, pol)
         self.decisions.record(*key, decision)
         metrics.AUTOSCALE_TICKS.labels(result="decided").inc()
-        result = outcomes.outcome(decision, {r: roles[r].replicas for r in ROLES}, previous, now)
+        result = outcomes.outcome(decision, {r: roles[r].replicas for r in ROLES}, previous, now,
+                                  apply=spec.mode == "Apply")
         for role, count in result.writes.items():
             if not await self._write(roles[role], key[0], count):
                 return  # changed under the planner: the next tick decides from the new count

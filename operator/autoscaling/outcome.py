@@ -1,13 +1,15 @@
 """What one planner decision means for a CR: the role counts to write, the status to publish and the events to
 emit. Pure: the executor reads the roles' counts and the CR's status, calls `decide` and then `outcome`, and applies
-what comes back (scale.objects writes the counts through the roles' /scale objects, conditionally, like any
-scaler).
+what comes back (it writes the counts into the roles' DisaggregatedRole objects, conditionally, like any scaler).
 
 Invariants (tests/unit/test_autoscaling_outcome.py):
 - a count is written only for a role whose decided count differs from the one it runs; nothing else writes;
-- a role's last_scale_time moves exactly when its count is written, so the planner's cooldowns (fed by
-  `seconds_since_scale`) count from the last real change, whoever made it: a count changed by someone else (kubectl
-  scale, an HPA) since the last decision restarts the cooldown too;
+- a role's last_scale_time moves exactly when its count changes: written by the planner, or found different from
+  the count the role ran after the previous decision (`current`: kubectl scale, an HPA); so the planner's cooldowns
+  (fed by `seconds_since_scale`) count from the last real change, whoever made it, and a recommendation that nobody
+  follows does not restart them;
+- not `apply` (spec.autoscaling.mode Recommend): nothing is written and no event is posted; the status and the
+  cooldown clocks are kept as above;
 - the status is published when what a reader acts on changed (the decision's kind, a role's count, need or scale
   time), and otherwise at most every STATUS_REFRESH_SECONDS;
 - events mark transitions, never a repeat: one `Scaled` per count written (with the reason), `ScaledToZero` and
@@ -65,22 +67,31 @@ def seconds_since_scale(status: AutoscalingStatus | None, role: Role, now: datet
     return max(0.0, (now - datetime.fromisoformat(rs.last_scale_time.replace("Z", "+00:00"))).total_seconds())
 
 
+def _changed_since(before: RoleAutoscalingStatus | None, running: int) -> bool:
+    """Whether the role's count moved since the previous decision, by someone else's hand."""
+    if before is None:
+        return False
+    seen = before.current if before.current is not None else before.desired  # a status from before `current`
+    return seen != running
+
+
 def outcome(decision: Decision, running: dict[Role, int], previous: AutoscalingStatus | None,
-            now: datetime) -> Outcome:
+            now: datetime, apply: bool = True) -> Outcome:
     """`running`: each role's count as its DisaggregatedRole says now (what the planner observed as desired).
-    `now`: timezone-aware."""
+    `now`: timezone-aware. Not `apply` (spec.autoscaling.mode Recommend): nothing is written and no scaling event
+    is posted; the status and the cooldown clocks follow the counts someone else sets."""
     at = _stamp(now)
     writes = {role: decision.role(role).desired for role in ROLES
-              if decision.role(role).desired != running[role]}
+              if decision.role(role).desired != running[role]} if apply else {}
     events: list[Event] = []
     roles: dict[Role, RoleAutoscalingStatus] = {}
     for role in ROLES:
         d = decision.role(role)
         before = _of(previous, role)
-        changed_by_other = before is not None and before.desired != running[role] and role not in writes
-        last = at if role in writes or changed_by_other else None if before is None else before.last_scale_time
+        moved = role in writes or _changed_since(before, running[role])
+        last = at if moved else None if before is None else before.last_scale_time
         roles[role] = RoleAutoscalingStatus(desired=d.desired, needed=d.estimate.needed, reason=d.reason,
-                                            last_scale_time=last)
+                                            last_scale_time=last, current=writes.get(role, running[role]))
         if role in writes:
             events.append(Event("Normal", "Scaled", f"{role} {running[role]} → {d.desired}: {d.reason}"))
     at_zero_before = all(running[r] == 0 for r in ROLES)
@@ -91,7 +102,7 @@ def outcome(decision: Decision, running: dict[Role, int], previous: AutoscalingS
     if writes and at_zero_before and not at_zero_after:
         events.append(Event("Normal", "WokeFromZero", f"a request came: prefill → {decision.prefill.desired}, "
                             f"decode → {decision.decode.desired}"))
-    if isinstance(decision, Limited):
+    if isinstance(decision, Limited) and apply:
         for role in ROLES:
             d, before = decision.role(role), _of(previous, role)
             held = d.estimate.needed > d.desired
@@ -105,7 +116,8 @@ def outcome(decision: Decision, running: dict[Role, int], previous: AutoscalingS
 
 def _moved(status: AutoscalingStatus) -> tuple[object, ...]:
     """What a reader acts on: all but the time and the reasons."""
-    return (status.decision, *((r.desired, r.needed, r.last_scale_time) for r in (status.prefill, status.decode)))
+    return (status.decision,
+            *((r.desired, r.needed, r.last_scale_time, r.current) for r in (status.prefill, status.decode)))
 
 
 def _publish(previous: AutoscalingStatus | None, status: AutoscalingStatus, now: datetime) -> bool:

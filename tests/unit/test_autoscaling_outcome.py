@@ -84,3 +84,29 @@ def test_the_status_is_written_when_a_reader_would_see_a_change_and_else_once_a_
     assert outcome(busier, {"prefill": 2, "decode": 2}, first.status, T0 + timedelta(seconds=60)).publish
     step = decide(observe(2, 2, rps=5, isl=1600, osl=200, ttft=300, tpot=40), POLICY)
     assert outcome(step, {"prefill": 2, "decode": 2}, first.status, T0 + timedelta(seconds=1)).publish
+
+
+def test_recommend_writes_nothing_posts_no_scaling_event_and_publishes_the_recommendation():
+    step = decide(observe(1, 1, rps=5, isl=1600, osl=200, ttft=300, tpot=40), POLICY)
+    out = outcome(step, {"prefill": 1, "decode": 1}, None, T0, apply=False)
+    assert (out.writes, out.events) == ({}, ())
+    assert (out.status.prefill.desired, out.status.decode.desired) == (4, 2) and out.publish
+    assert (out.status.prefill.current, out.status.prefill.last_scale_time) == (1, None)
+
+
+def test_a_recommendation_nobody_follows_keeps_the_cooldown_clock_and_one_followed_restarts_it():
+    step = decide(observe(1, 1, rps=5, isl=1600, osl=200, ttft=300, tpot=40), POLICY)
+    first = outcome(step, {"prefill": 1, "decode": 1}, None, T0, apply=False)
+    ignored = outcome(step, {"prefill": 1, "decode": 1}, first.status, T0 + timedelta(seconds=15), apply=False)
+    assert ignored.status.prefill.last_scale_time is None  # 4 recommended, 1 still runs: nothing changed
+    followed = outcome(step, {"prefill": 4, "decode": 1}, ignored.status, T0 + timedelta(seconds=30), apply=False)
+    assert followed.status.prefill.last_scale_time == "2026-12-06T12:00:30Z"  # an HPA applied it
+    assert followed.status.decode.last_scale_time is None
+
+
+def test_the_planners_own_write_starts_the_cooldown_once_not_again_at_the_next_tick():
+    step = decide(observe(1, 1, rps=5, isl=1600, osl=200, ttft=300, tpot=40), POLICY)
+    wrote = outcome(step, {"prefill": 1, "decode": 1}, None, T0)
+    assert wrote.status.prefill.current == 4
+    later = outcome(step, {"prefill": 4, "decode": 2}, wrote.status, T0 + timedelta(seconds=15))
+    assert later.status.prefill.last_scale_time == wrote.status.prefill.last_scale_time == "2026-12-06T12:00:00Z"
