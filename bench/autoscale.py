@@ -1,0 +1,390 @@
+"""Autoscaling against a load trace (issue 35): the built-in planner against a static fleet sized for the peak, each
+arm on the same seeded trace through the router Service of an emulated deployment on the real node.
+
+The deployment: engine emulators of the `cpu-kv64k` profile (fitted to this bed's vLLM CPU engines,
+connector/emulator/profiles.py), push, one router. The planner arm has spec.autoscaling (--max per role, the
+per-engine throughputs and SLO below); the static arm runs --static prefill and decode engines throughout.
+
+The trace, open loop (Poisson arrivals at the phase's rate; a sine phase's rate is followed by thinning):
+  base     --base-rate          for --base-s      prompts of 200 tokens, 128 out
+  step     4 x --base-rate      for --step-s      the same lengths
+  back     --base-rate          for --back-s
+  diurnal  1x -> 3x -> 1x (a sine's hump) over --diurnal-s, prompts of 400 tokens, 32 out
+With the defaults the step needs more decode than prefill and the diurnal hump the other way round (the P:D ratio
+the planner must follow), and a static fleet of 3 prefill and 3 decode covers both peaks.
+Every request is streamed; per request: when it was sent, its status, TTFT (send to first token) and TPOT (first to
+last token over the tokens after the first). Every 2 s: each role's desired count (its DisaggregatedRole) and its
+engine pods (scheduled, not being deleted).
+
+Per arm, headline:
+- SLO attainment: requests with both TTFT <= --ttft-ms and TPOT <= --tpot-ms, over the requests sent outside an
+  engine start window (from a role's desired count rising until its ready engines reach it). Goal >= 99%;
+- replica-seconds: engine pods x seconds over the trace (goal for the planner: <= 0.6x the static arm's);
+- reaction: seconds from the step's start to the first rise of a desired count (goal <= 30 s);
+- actions per role per 10 minutes in the steady part of flat phases (after --settle-s; goal <= 1);
+- failed requests (goal 0).
+Arms alternate (ABBA over --rounds), each on a fresh deployment.
+
+  flock /tmp/disagg-engines.lock .venv/bin/python bench/autoscale.py --rounds 2     # about 80 minutes
+Writes bench/results/autoscale.json. `--quick` shortens every phase to check the harness.
+
+Not run yet: the trace's rates and the per-engine throughputs are estimates from the cpu-kv64k profile, to be
+checked with `--quick` first; the issue's third arm (an HPA or KEDA on one queue metric per role) comes with KEDA.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import result_file
+from lightkube import codecs
+from pd_client import dist
+
+from disagg.devcluster import demo, demo_node, tinymodel
+from disagg.devcluster.cluster import ClusterConfig, LocalCluster
+from disagg.operator import names
+from disagg.operator.bindings import DinfResource
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+NAMESPACE = demo_node.NAMESPACE
+ROLES = ("prefill", "decode")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- the trace -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    seconds: float
+    rate: float  # requests per second (a sine phase's peak is `peak` x this)
+    isl: int
+    osl: int
+    peak: float = 1.0  # > 1: the rate follows a sine's hump from `rate` to `peak` x `rate` and back
+
+    def rate_at(self, t: float) -> float:
+        if self.peak == 1.0:
+            return self.rate
+        return self.rate * (1 + (self.peak - 1) * math.sin(math.pi * t / self.seconds))
+
+
+def trace(args: argparse.Namespace) -> list[Phase]:
+    r = args.base_rate
+    return [Phase("base", args.base_s, r, 200, 128), Phase("step", args.step_s, 4 * r, 200, 128),
+            Phase("back", args.back_s, r, 200, 128), Phase("diurnal", args.diurnal_s, r, 400, 32, peak=3.0)]
+
+
+def arrivals(phases: list[Phase], seed: int) -> list[tuple[float, Phase]]:
+    """Seconds from the start at which each request is sent, with its phase: Poisson at each phase's peak rate,
+    thinned to the rate at that moment."""
+    rng, out, start = random.Random(seed), [], 0.0
+    for p in phases:
+        top, t = p.rate * p.peak, 0.0
+        while True:
+            t += rng.expovariate(top)
+            if t >= p.seconds:
+                break
+            if rng.random() * top <= p.rate_at(t):
+                out.append((start + t, p))
+        start += p.seconds
+    return out
+
+
+# -- one arm -------------------------------------------------------------------------------------------------------
+@dataclass
+class Sent:
+    at: float
+    phase: str
+    status: int = 0
+    ttft: float | None = None
+    tpot: float | None = None
+    error: str | None = None
+
+
+async def send(session: aiohttp.ClientSession, url: str, prompt: str, osl: int, r: Sent, t0: float) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": osl, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    first = last = None
+    tokens = 0
+    try:
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            r.status = resp.status
+            if resp.status != 200:
+                r.error = (await resp.text())[:200]
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                if json.loads(line[5:]).get("choices"):
+                    last = time.monotonic()
+                    first = first or last
+                    tokens += 1
+    except (aiohttp.ClientError, TimeoutError) as e:
+        r.status, r.error = 0, repr(e)[:200]
+        return
+    if first is None:
+        r.status, r.error = 0, "no token"
+        return
+    r.ttft = first - (t0 + r.at)
+    r.tpot = (last - first) / (tokens - 1) if last is not None and tokens > 1 else None
+
+
+async def sample(client: Any, name: str, t0: float, out: list[dict[str, Any]], stop: asyncio.Event) -> None:
+    from lightkube.resources.core_v1 import Pod
+
+    from disagg.operator.scale_executor import RoleResource
+
+    def one() -> dict[str, Any]:
+        row: dict[str, Any] = {"s": round(time.monotonic() - t0, 1)}
+        pods = [p for p in client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name})
+                if p.metadata.deletionTimestamp is None and p.spec.nodeName]
+        for role in ROLES:
+            role_pods = [p for p in pods if (p.metadata.labels or {}).get(names.LABEL_COMPONENT) == role]
+            row[f"{role}_pods"] = len(role_pods)
+            row[f"{role}_ready"] = sum(any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+                                       for p in role_pods if p.status)
+            try:
+                row[f"{role}_desired"] = client.get(RoleResource, names.role_object_name(name, role),
+                                                    namespace=NAMESPACE).to_dict()["spec"]["replicas"]
+            except Exception:  # noqa: BLE001 - not created yet
+                row[f"{role}_desired"] = None
+        return row
+
+    while not stop.is_set():
+        out.append(await asyncio.to_thread(one))
+        try:
+            await asyncio.wait_for(stop.wait(), 2.0)
+        except TimeoutError:
+            pass
+
+
+def cr(arm: str, args: argparse.Namespace) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": {"name": "tiny"}, "accelerator": {"profile": "cpu"},
+                            "engine": {"emulator": {"profile": "cpu-kv64k"}}, "kvTransfer": {"mode": "push"},
+                            "router": {"pairWaitSeconds": 120}}
+    if arm == "planner":
+        spec["autoscaling"] = {
+            "prefill": {"minReplicas": 1, "maxReplicas": args.max, "inputTokensPerSecond": args.prefill_tps},
+            "decode": {"minReplicas": 1, "maxReplicas": args.max, "outputTokensPerSecond": args.decode_tps},
+            "slo": {"percentile": 90, "ttftMilliseconds": args.ttft_ms, "tpotMilliseconds": args.tpot_ms}}
+    else:
+        spec["prefill"], spec["decode"] = {"replicas": args.static[0]}, {"replicas": args.static[1]}
+    return {"apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference",
+            "metadata": {"name": arm, "namespace": NAMESPACE}, "spec": spec}
+
+
+async def run_arm(c: LocalCluster, arm: str, args: argparse.Namespace, phases: list[Phase]) -> dict[str, Any]:
+    client = c.client()
+    obj = cr(arm, args)
+    client.create(codecs.from_dict(obj))
+    log(f"{arm}: applied; awaiting Ready")
+    await await_ready(client, arm)
+    url = demo_node.service_url(client, names.router_name(arm))
+    text = tinymodel.corpus() * 4
+    rng = random.Random(args.seed)
+    plan = arrivals(phases, args.seed)
+    sent: list[Sent] = []
+    samples: list[dict[str, Any]] = []
+    stop = asyncio.Event()
+    t0 = time.monotonic()
+    sampler = asyncio.create_task(sample(client, arm, t0, samples, stop))
+    tasks = []
+    total = sum(p.seconds for p in phases)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as s:
+        next_log = 60.0
+        for at, phase in plan:
+            await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))  # the trace's schedule
+            r = Sent(round(at, 3), phase.name)
+            sent.append(r)
+            start = rng.randrange(len(text) - phase.isl)
+            tasks.append(asyncio.create_task(send(s, url, text[start:start + phase.isl], phase.osl, r, t0)))
+            if at >= next_log:
+                last = samples[-1] if samples else {}
+                log(f"  {arm}: {at:.0f}/{total:.0f} s, phase {phase.name}, {len(sent)} sent, "
+                    f"{sum(x.status not in (0, 200) or (x.status == 0 and x.error) for x in sent)} failed, "
+                    f"P {last.get('prefill_desired')} D {last.get('decode_desired')}")
+                next_log += 60.0
+        await asyncio.gather(*tasks)
+    stop.set()
+    await sampler
+    client.delete(DinfResource, arm, namespace=NAMESPACE)
+    await await_gone(client, arm)
+    return {"arm": arm, "cr": obj["spec"], "requests": [asdict(r) for r in sent], "samples": samples}
+
+
+async def await_ready(client: Any, name: str, timeout: float = 600) -> None:
+    t0 = time.monotonic()
+    while True:
+        d = client.get(DinfResource, name, namespace=NAMESPACE).to_dict()
+        conds = {x["type"]: x for x in (d.get("status") or {}).get("conditions", [])}
+        if conds.get("Ready", {}).get("status") == "True":
+            return
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{name} not Ready in {timeout:g} s: {conds.get('Ready')}")
+        await asyncio.sleep(2)  # the operator's and kubelet's work; progress is logged by the caller
+
+
+async def await_gone(client: Any, name: str, timeout: float = 300) -> None:
+    from lightkube.resources.core_v1 import Pod
+
+    t0 = time.monotonic()
+    while client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name}):
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"{name}'s pods not gone in {timeout:g} s")
+        await asyncio.sleep(2)
+
+
+# -- the report ----------------------------------------------------------------------------------------------------
+def start_windows(samples: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(from, to): from a sample where a role's desired count rose until one where its ready engines reach it."""
+    out = []
+    for role in ROLES:
+        opened: float | None = None
+        prev = None
+        for row in samples:
+            want, ready = row.get(f"{role}_desired"), row.get(f"{role}_ready", 0)
+            if want is None:
+                continue
+            if prev is not None and want > prev and opened is None:
+                opened = row["s"]
+            if opened is not None and ready >= want:
+                out.append((opened, row["s"]))
+                opened = None
+            prev = want
+        if opened is not None:
+            out.append((opened, math.inf))
+    return out
+
+
+def summarize(arm: dict[str, Any], phases: list[Phase], args: argparse.Namespace) -> dict[str, Any]:
+    reqs, samples = arm["requests"], arm["samples"]
+    windows = start_windows(samples)
+    outside = [r for r in reqs if not any(a <= r["at"] <= b for a, b in windows)]
+    ok = [r for r in outside if r["status"] == 200 and r["ttft"] is not None
+          and r["ttft"] * 1000 <= args.ttft_ms and (r["tpot"] is None or r["tpot"] * 1000 <= args.tpot_ms)]
+    replica_s = 0.0
+    for a, b in zip(samples, samples[1:], strict=False):
+        replica_s += (a["prefill_pods"] + a["decode_pods"]) * (b["s"] - a["s"])
+    step_start = sum(p.seconds for p in phases[:1])
+    before = {role: next((row[f"{role}_desired"] for row in reversed(samples) if row["s"] <= step_start), None)
+              for role in ROLES}
+    rise = next((row["s"] for row in samples if row["s"] > step_start
+                 and any((row[f"{r}_desired"] or 0) > (before[r] or 0) for r in ROLES)), None)
+    actions: dict[str, int] = {r: 0 for r in ROLES}
+    steady_s, start = 0.0, 0.0
+    for p in phases:
+        lo, hi = start + args.settle_s, start + p.seconds
+        start += p.seconds
+        if p.peak != 1.0 or hi <= lo:
+            continue
+        steady_s += hi - lo
+        for role in ROLES:
+            seen = [row[f"{role}_desired"] for row in samples if lo <= row["s"] <= hi]
+            actions[role] += sum(1 for a, b in zip(seen, seen[1:], strict=False) if a != b)
+    failed = [r for r in reqs if r["status"] != 200]
+    return {
+        "requests": len(reqs), "failed": len(failed),
+        "failed_examples": [r["error"] for r in failed[:5]],
+        "slo_attainment": round(len(ok) / len(outside), 4) if outside else None,
+        "outside_start_windows": len(outside), "start_windows": windows,
+        "replica_seconds": round(replica_s),
+        "reaction_s": None if rise is None else round(rise - step_start, 1),
+        "actions_per_role_per_10min": {r: round(n * 600 / steady_s, 2) if steady_s else None
+                                       for r, n in actions.items()},
+        "ttft_ms": dist([r["ttft"] for r in reqs if r["ttft"] is not None]),
+        "tpot_ms": dist([r["tpot"] for r in reqs if r["tpot"] is not None]),
+        "peak_pods": {r: max((row[f"{r}_pods"] for row in samples), default=0) for r in ROLES},
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    made = result_file.provenance()
+    phases = trace(args)
+    order = [a for i in range(args.rounds) for a in (("planner", "static") if i % 2 == 0 else ("static", "planner"))]
+    c = LocalCluster(ClusterConfig(name="bench-autoscale", real_node=True))
+    c.start(progress=lambda m: log(f"  {m}"))
+    arms: list[dict[str, Any]] = []
+    try:
+        assert c.node is not None
+        demo._helm_install(c, c.node.images["disagg"])
+        demo_node.prepare(c, c.node.spec.name)
+        for i, arm in enumerate(order):
+            log(f"arm {i + 1}/{len(order)}: {arm}")
+            result = await run_arm(c, arm, args, phases)
+            result["summary"] = summarize(result, phases, args)
+            brief = {k: result["summary"][k] for k in ("failed", "slo_attainment", "replica_seconds", "reaction_s")}
+            log(f"  {arm}: {json.dumps(brief)}")
+            arms.append(result)
+    finally:
+        c.stop()
+    by_arm: dict[str, list[dict[str, Any]]] = {}
+    for a in arms:
+        by_arm.setdefault(a["arm"], []).append(a["summary"])
+    planner_rs = [s["replica_seconds"] for s in by_arm.get("planner", [])]
+    static_rs = [s["replica_seconds"] for s in by_arm.get("static", [])]
+    headline = {
+        arm: {"failed": sum(s["failed"] for s in rows),
+              "slo_attainment": [s["slo_attainment"] for s in rows],
+              "replica_seconds": [s["replica_seconds"] for s in rows],
+              "reaction_s": [s["reaction_s"] for s in rows],
+              "actions_per_role_per_10min": [s["actions_per_role_per_10min"] for s in rows]}
+        for arm, rows in by_arm.items()}
+    if planner_rs and static_rs:
+        headline["planner_over_static_replica_seconds"] = round(sum(planner_rs) / sum(static_rs), 3)
+    return {**made, "benchmark": "autoscale", "issue": 35, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
+            "config": {"phases": [asdict(p) for p in phases], "order": order, "seed": args.seed, "max": args.max,
+                       "static": args.static, "prefill_tps": args.prefill_tps, "decode_tps": args.decode_tps,
+                       "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "percentile": 90},
+                       "settle_s": args.settle_s,
+                       "deployment": "cpu-kv64k engine emulators on the real node, push, 1 router"},
+            "headline": headline, "arms": arms}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-rate", type=float, default=0.25, help="requests per second of the base phases")
+    p.add_argument("--base-s", type=float, default=180)
+    p.add_argument("--step-s", type=float, default=300)
+    p.add_argument("--back-s", type=float, default=300)
+    p.add_argument("--diurnal-s", type=float, default=480)
+    p.add_argument("--max", type=int, default=8, help="the planner's maxReplicas per role")
+    p.add_argument("--static", type=lambda s: tuple(int(x) for x in s.split(",")), default=(3, 3),
+                   help="the static arm's prefill,decode engines (sized for the trace's peak)")
+    p.add_argument("--prefill-tps", type=int, default=100,
+                   help="spec.autoscaling.prefill.inputTokensPerSecond (cpu-kv64k computes ~136 prompt tokens/s)")
+    p.add_argument("--decode-tps", type=int, default=60,
+                   help="spec.autoscaling.decode.outputTokensPerSecond (cpu-kv64k: ~120 tokens/s at a batch of 10)")
+    p.add_argument("--ttft-ms", type=int, default=10000)
+    p.add_argument("--tpot-ms", type=int, default=200)
+    p.add_argument("--settle-s", type=float, default=120, help="seconds into a flat phase before it counts as steady")
+    p.add_argument("--rounds", type=int, default=2, help="ABBA: round 1 is planner, static; round 2 static, planner")
+    p.add_argument("--seed", type=int, default=35)
+    p.add_argument("--quick", action="store_true", help="every phase 60 s, one round")
+    p.add_argument("--out", type=Path, default=RESULTS / "autoscale.json")
+    args = p.parse_args()
+    if args.quick:
+        args.base_s = args.step_s = args.back_s = args.diurnal_s = 60.0
+        args.rounds, args.settle_s = 1, 30.0
+    result = asyncio.run(run(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(result_file.dumps(result) + "\n")
+    print(json.dumps(result["headline"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
