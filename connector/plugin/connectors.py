@@ -94,6 +94,7 @@ class _DisaggMixin:
         self._cancel_orders: list[CancelOrder] = []
         # Push, worker side (push_cancel).
         self._decode_cancels: DecodeCancels | None = None
+        self._prefill_cancels: PrefillCancels | None = None
         self._control_stop = threading.Event()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler_shim = SchedulerShim.attach(vllm_shim.connector_scheduler(self),
@@ -125,6 +126,8 @@ class _DisaggMixin:
                      "engine step")
         if self._disagg.rendezvous_url is not None and self._prewarmer is None:
             self._prewarmer = PeerPrewarmer(shim, self._disagg)
+            if self._prefill_cancels is not None:
+                self._prewarmer.writing_to = self._prefill_cancels.writing_to
             self._prewarmer.start()
 
     def _start_push_control(self, shim: WorkerShim) -> None:
@@ -138,6 +141,7 @@ class _DisaggMixin:
                      int(s.env.get(wire_env.SIDE_CHANNEL_PORT) or 0), s.tp_size, s.pp_size, (0, shim.tp_rank))
         mailbox = Mailbox(shim.wake_writer)
         prefill = PrefillCancels(me, mailbox, shim.base_request_id) if s.role == "prefill" else None
+        self._prefill_cancels = prefill
         if s.role == "decode":
             self._decode_cancels = DecodeCancels(me, mailbox, shim.fail_receive, shim.has_receive)
         shim.hook_push_control(mailbox, self._decode_cancels, prefill, self._control_stop, WAKE_SECONDS)

@@ -12,7 +12,8 @@ ahead of time:
   WRITE path with one empty transfer (`write_warmup`);
 - pull mode: decode handshakes with each prefill over the side channel in the background (pull needs the
   peer's clock offset, which only that round trip measures);
-- a peer whose entry is deleted or expires is released on the engine's main thread, like vLLM releases peers.
+- a peer whose entry is deleted or expires is released on the engine's main thread, like vLLM releases peers,
+  once it has been gone for `DEPARTED_GRACE` seconds and no KV crosses with it any more.
 
 The one hook into vLLM: the worker's `_nixl_handshake` is replaced on the instance by `_handshake`, which uses
 the advertised payload when there is one and calls vLLM's original otherwise. Everything else (futures, locks,
@@ -26,6 +27,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..rendezvous.client import EngineCache, RendezvousClient
@@ -38,16 +40,26 @@ from .write_warmup import SkipWarmup, warm_write_path
 log = logging.getLogger("disagg.plugin")
 EMPTY_HEARTBEAT = b"HB:"
 """vLLM's heartbeat notification with no request ids: every NIXL worker accepts it and changes nothing."""
+DEPARTED_GRACE = 10.0
+"""Seconds a departed peer's agent is kept even when nothing this worker tracks uses it. A stopping engine leaves
+the rendezvous first and drains after, and between its leaving and this worker's bookkeeping a request's KV can be
+where no check sees it: its registration still in NIXL's notification queue, or popped by vLLM's writer thread and
+not yet posted as a WRITE. Each of those lasts milliseconds; releasing the agent in one fails that request."""
 
 
 class PeerPrewarmer:
-    def __init__(self, shim: WorkerShim, settings: PluginSettings) -> None:
+    def __init__(self, shim: WorkerShim, settings: PluginSettings,
+                 writing_to: Callable[[str], bool] = lambda engine_id: False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`writing_to(engine_id)`: a WRITE of this worker's to that engine is in flight (any thread)."""
         self.shim = shim
         self.settings = settings
+        self.writing_to = writing_to
+        self.clock = clock
         self.peers: dict[str, EngineAdvertisement] = {}
         self.counts = {"from_advertisement": 0, "side_channel": 0, "released": 0, "failed": 0, "write_warmed": 0}
         self._lock = threading.Lock()
-        self._departed: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._departed: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()  # (engine id, when it left)
         self._side_channel_handshake = shim.hook_handshake(self._handshake)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -104,7 +116,7 @@ class PeerPrewarmer:
         else:
             with self._lock:
                 self.peers.pop(adv.engine_id, None)
-            self._departed.put(adv.engine_id)
+            self._departed.put((adv.engine_id, self.clock()))
 
     def _prewarm(self, adv: EngineAdvertisement) -> None:
         s = self.settings
@@ -186,25 +198,27 @@ class PeerPrewarmer:
 
     # -- releasing departed peers: the engine's main thread ------------------------------------------------
     def release_departed(self) -> None:
-        """Release the agents of engines that left the rendezvous, except those this worker still exchanges KV
-        with: a stopping engine leaves first and drains after, and its requests' KV must still cross."""
-        busy = []
+        """Release the agents of engines that left the rendezvous at least `DEPARTED_GRACE` seconds ago, except
+        those this worker still exchanges KV with: a stopping engine leaves first and drains after, and its
+        requests' KV must still cross."""
+        later = []
+        now = self.clock()
         while True:
             try:
-                engine_id = self._departed.get_nowait()
+                engine_id, left = self._departed.get_nowait()
             except queue.Empty:
                 break
             with self._lock:
                 if engine_id in self.peers:
                     continue  # it came back
-            if self.shim.busy_with(engine_id):
-                busy.append(engine_id)
+            if now - left < DEPARTED_GRACE or self.shim.busy_with(engine_id) or self.writing_to(engine_id):
+                later.append((engine_id, left))
                 continue
             t0 = time.perf_counter()
             if self.shim.release_if_loaded(engine_id):
                 self.counts["released"] += 1
                 log.info("disagg plugin: released NIXL agent of departed engine %s in %.1f ms", engine_id,
                          (time.perf_counter() - t0) * 1000)
-        for engine_id in busy:
-            self._departed.put(engine_id)  # looked at again next step
+        for entry in later:
+            self._departed.put(entry)  # looked at again next step
 

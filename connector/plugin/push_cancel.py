@@ -327,6 +327,11 @@ class PrefillCancels:
         with self._lock:
             return self.base_id(request_id) in self._cancelled
 
+    def writing_to(self, engine_id: str) -> bool:
+        """A WRITE posted to that decode engine is not done yet (any thread)."""
+        with self._lock:
+            return any(decode.engine_id == engine_id for decode, _ in self._posted.values())
+
     # main thread
     def writes_done(self, done: Iterable[str], failed: Iterable[str]) -> None:
         failed = set(failed)
