@@ -306,20 +306,22 @@ class LogFollower:
     """Every container of the soak's pods (and the operator's) followed into a file of its own as long as it runs
     (`kubectl logs -f --timestamps`), so that a failure can be read in the logs of pods the soak itself deleted
     since: the routers' access logs (one JSON line per request, with its X-Request-Id, attempts and error), the
-    engines', the rendezvous' and the operator's."""
+    engines', the rendezvous' and the operator's. A StatefulSet's pod comes back under its name, and a restarted
+    container keeps its pod's: each container instance (its containerID) is followed, appended to one file per
+    pod name and container."""
 
     def __init__(self, dep: Deployment, into: Path) -> None:
         self.dep, self.into = dep, into
-        self.procs: dict[tuple[str, str], subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}  # containerID -> its follower
         into.mkdir(parents=True, exist_ok=True)
 
     def poll(self) -> None:
         for namespace in (NAMESPACE, OPERATOR_NAMESPACE):
             for pod in self.dep.pods(namespace=namespace):
                 for status in (pod.status.containerStatuses or []) if pod.status else []:
-                    key = (pod.metadata.name, status.name)
+                    key = status.containerID
                     running = status.state is not None and status.state.running is not None
-                    if key in self.procs or not running:
+                    if not key or key in self.procs or not running:
                         continue
                     out = (self.into / f"{pod.metadata.name}_{status.name}.log").open("ab")
                     self.procs[key] = subprocess.Popen(
