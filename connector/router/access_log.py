@@ -11,14 +11,18 @@ A line (`--access-log PATH`, `-` for standard output) has:
   (prefill answered), `decode_sent` (the decode leg handed to the HTTP client), `first_token` (first token relayed) and
   `done` (the answer finished); absent ones are null;
 - `handoff_ms`: `first_token` minus `prefill_done`, the KV handoff, when both are known;
-- `error`: the last upstream failure, when the request was not served.
+- `error`: the last upstream failure, when the request was not served;
+- `prefix` (prefix-aware routing, when the request was routed by the index; else null): `prompt_tokens`, the
+  `predicted` cached tokens of the last attempt's `prefill` and `decode` engines, `decode_only` (prefill skipped:
+  `prefill` above is then null), and `actual`: the cached tokens the engine that computed the prompt reported
+  (`usage.prompt_tokens_details.cached_tokens`), null when it did not.
 """
 from __future__ import annotations
 
 import json
 import sys
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 
 @dataclass
@@ -26,12 +30,28 @@ class Attempt:
     """One try of a request on one pair. Times are time.monotonic(); None until they happen."""
 
     request_id: str
-    prefill: str
+    prefill: str | None
     decode: str
     start: float
     prefill_done: float | None = None
     decode_sent: float | None = None
     first_token: float | None = None
+    prefix: Prefix | None = None
+
+
+@dataclass
+class Prefix:
+    """What prefix-aware routing predicted for one attempt, and what the engine reported."""
+
+    prompt_tokens: int
+    prefill: int | None
+    """Predicted cached tokens on the prefill engine; None when decode ran alone."""
+    decode: int
+    actual: int | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        return self.prefill is None
 
 
 class AccessLog:
@@ -54,15 +74,18 @@ class AccessLog:
         handoff = None
         if last is not None and last.first_token is not None and last.prefill_done is not None:
             handoff = round((last.first_token - last.prefill_done) * 1000, 3)
-        line = {
+        line: dict[str, Any] = {
             "time": round(time, 6), "request_id": last.request_id if last else None, "endpoint": endpoint,
             "mode": mode, "status": status, "attempts": attempts,
             "prefill": last.prefill if last else None, "decode": last.decode if last else None,
             "ms": {"start": ms(last.start if last else None), "prefill_done": ms(last.prefill_done if last else None),
                    "decode_sent": ms(last.decode_sent if last else None),
                    "first_token": ms(last.first_token if last else None), "done": ms(done)},
-            "handoff_ms": handoff, "error": error,
+            "handoff_ms": handoff, "error": error, "prefix": None,
         }
+        if last is not None and (p := last.prefix) is not None:
+            line["prefix"] = {"prompt_tokens": p.prompt_tokens, "predicted": {"prefill": p.prefill, "decode": p.decode},
+                              "decode_only": p.decode_only, "actual": p.actual}
         self.stream.write(json.dumps(line, separators=(",", ":")) + "\n")
 
     def close(self) -> None:

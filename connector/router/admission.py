@@ -34,6 +34,7 @@ from typing import Literal
 
 from ..wire.advertisement import EngineAdvertisement
 from .engine_pool import EnginePool
+from .kv_scoring import Preference
 
 Reason = Literal["queue_full", "deadline"]
 
@@ -89,6 +90,7 @@ class _Waiter:
     future: asyncio.Future[Grant]
     exclude: AbstractSet[str]
     holding: bool  # holds its request slot already (a retry): needs a pair only
+    prefer: Preference | None
     timer: asyncio.TimerHandle | None = field(default=None)
 
 
@@ -123,20 +125,22 @@ class Admission:
         the time in which the queue turns over."""
         return max(1, math.ceil(self.queue_wait))
 
-    async def admit(self, exclude: AbstractSet[str] = frozenset(), *, holding: bool = False) -> Grant:
-        """A request slot (unless `holding` one already) and a pair with room, avoiding `exclude`; at once or after
-        waiting in the queue. None (the request slot alone): no compatible pair exists at all. Raises Overloaded."""
+    async def admit(self, exclude: AbstractSet[str] = frozenset(), *, holding: bool = False,
+                    prefer: Preference | None = None) -> Grant:
+        """A request slot (unless `holding` one already) and a pair with room, avoiding `exclude`, chosen by
+        `prefer` when given (`EnginePool.place`); at once or after waiting in the queue. None (the request slot
+        alone): no compatible pair exists at all. Raises Overloaded."""
         self._changed()  # engines may have come since the queue was last examined
         # A new request still waiting now wants what this one wants, and it does not fit: no need to try.
         if not self._new or holding:
-            got = self._try(exclude, holding)
+            got = self._try(exclude, holding, prefer)
             if got is not _Full.FULL:
                 return got
         if not holding and len(self._new) >= self.max_queue:
             self.rejected["queue_full"] += 1
             raise Overloaded("queue_full", f"overloaded: {self.in_flight} requests in flight and {len(self._new)} "
                                            "waiting, the most this router holds; retry later")
-        return await self._wait(exclude, holding)
+        return await self._wait(exclude, holding, prefer)
 
     def leave(self) -> None:
         """A request admitted by `admit` (not `holding`) ended: its request slot."""
@@ -144,10 +148,10 @@ class Admission:
         self._changed()
 
     # -- internals ---------------------------------------------------------------------------------------------
-    def _try(self, exclude: AbstractSet[str], holding: bool) -> Grant | _Full:
+    def _try(self, exclude: AbstractSet[str], holding: bool, prefer: Preference | None) -> Grant | _Full:
         if not holding and self.max_inflight is not None and self.in_flight >= self.max_inflight:
             return _Full.FULL
-        pair, exists = self.pool.place(exclude, self.max_per_engine)
+        pair, exists = self.pool.place(exclude, self.max_per_engine, prefer)
         if pair is None and exists:
             return _Full.FULL
         if not holding:
@@ -155,9 +159,9 @@ class Admission:
             self.admitted += 1
         return None if pair is None else Legs(self, *pair)
 
-    async def _wait(self, exclude: AbstractSet[str], holding: bool) -> Grant:
+    async def _wait(self, exclude: AbstractSet[str], holding: bool, prefer: Preference | None) -> Grant:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(loop.create_future(), exclude, holding)
+        waiter = _Waiter(loop.create_future(), exclude, holding, prefer)
         (self._retries if holding else self._new).append(waiter)
         if not holding:
             self.queued += 1
@@ -210,7 +214,7 @@ class Admission:
             if waiter.future.done():  # cancelled: its task has not run its clean-up yet
                 self._retries.remove(waiter)
                 continue
-            got = self._try(waiter.exclude, True)
+            got = self._try(waiter.exclude, True, waiter.prefer)
             if got is not _Full.FULL:
                 self._retries.remove(waiter)
                 self._grant(waiter, got)
@@ -218,7 +222,7 @@ class Admission:
             if self._new[0].future.done():
                 self._new.popleft()
                 continue
-            got = self._try(self._new[0].exclude, False)
+            got = self._try(self._new[0].exclude, False, self._new[0].prefer)
             if got is _Full.FULL:
                 break
             self._grant(self._new.popleft(), got)

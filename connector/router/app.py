@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import gc
 import json
 import logging
@@ -19,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,13 +37,15 @@ from pydantic import TypeAdapter, ValidationError
 from ..wire.advertisement import EngineAdvertisement
 from . import flags, kv_index
 from . import pd_protocol as pd
-from .access_log import AccessLog, Attempt
+from .access_log import AccessLog, Attempt, Prefix
 from .admission import Admission, Legs, Overloaded
 from .engine_pool import EnginePool
+from .kv_scoring import Preference, Weights
 
 if TYPE_CHECKING:
     from ..rendezvous.client import EngineCache, RendezvousClient
     from .kv_follow import KvFollower
+    from .prefix_routing import PrefixRouting
 
 log = logging.getLogger("disagg.router")
 T = TypeVar("T")
@@ -168,7 +171,9 @@ class Settings:
     """Seconds a retry waits for a pair without the engine that failed before it takes one with it (see
     `_retry_legs`)."""
     policy: str = "least-loaded"
-    """prefix-aware also follows every engine's KV events into an index (kv_follow.py); both route least-loaded."""
+    """prefix-aware follows every engine's KV events into an index (kv_follow.py) and routes by what each engine
+    holds (prefix_routing.py, kv_scoring.py)."""
+    prefix_weights: Weights = field(default_factory=Weights)
     kv_index_max_engines: int = kv_index.DEFAULT_MAX_ENGINES
     kv_index_max_blocks_per_engine: int = kv_index.DEFAULT_MAX_BLOCKS_PER_ENGINE
 
@@ -192,10 +197,13 @@ class Router:
                                    max_queue=settings.max_queue, queue_wait=settings.queue_wait)
         self.m.registry.register(AdmissionMetrics(self.admission))
         self.kv: KvFollower | None = None
+        self.prefix: PrefixRouting | None = None
         if settings.policy == "prefix-aware":
             self.kv = _kv_follower(pool, settings, self.m)
+            self.prefix = _prefix_routing(pool, self.kv, settings, self.m)
 
-    async def _retry_legs(self, failed: AbstractSet[str], failed_at: float) -> Legs | None:
+    async def _retry_legs(self, failed: AbstractSet[str], failed_at: float,
+                          prefer: Preference | None) -> Legs | None:
         """The retry's pair, within `pair_wait`: one without the engines that failed; or, once `retry_elsewhere`
         seconds have passed and a probe sent after the failure has found each of them alive, any pair, theirs
         included. An engine that outlived the failure and is still advertised is then the only one of its role (as
@@ -209,10 +217,11 @@ class Router:
                 return failed
             return frozenset()
 
-        return await self._await_pair(exclude, await self.admission.admit(failed, holding=True))
+        return await self._await_pair(exclude, await self.admission.admit(failed, holding=True, prefer=prefer),
+                                      prefer)
 
     async def _await_pair(self, exclude: AbstractSet[str] | Callable[[], AbstractSet[str]], legs: Legs | None,
-                          seconds: float | None = None) -> Legs | None:
+                          prefer: Preference | None, seconds: float | None = None) -> Legs | None:
         """`legs`, or when admission found no pair at all, a pair within `seconds` (default `pair_wait`: an engine
         restarting, the rendezvous re-learning its engines after a restart), polled: pool changes come from several
         sources (the watch, probes, failures). The request holds its request slot meanwhile; a pair found full makes it
@@ -225,7 +234,8 @@ class Router:
         try:
             while legs is None and time.monotonic() < deadline:
                 await asyncio.sleep(PAIR_POLL_SECONDS)
-                legs = await self.admission.admit(exclude() if callable(exclude) else exclude, holding=True)
+                legs = await self.admission.admit(exclude() if callable(exclude) else exclude, holding=True,
+                                                  prefer=prefer)
         finally:
             self.m.pair_waiting.dec()
         return legs
@@ -291,26 +301,29 @@ class Router:
             body = pd.validate_client_body(endpoint, pd.parse_client_json(await _read_body(request)))
         except pd.BadRequest as e:
             return self._error(endpoint, e.status, str(e))
+        prefer = None
+        if self.prefix is not None and self.session is not None:
+            prefer = await self.prefix.preference(self.session, endpoint, body, uuid.uuid4().hex)
         try:
-            legs = await self.admission.admit()
+            legs = await self.admission.admit(prefer=prefer)
         except Overloaded as e:
             return self._overloaded(endpoint, e)
         try:
-            return await self._attempts(request, endpoint, body, attempts, legs)
+            return await self._attempts(request, endpoint, body, attempts, legs, prefer)
         except Overloaded as e:  # its retry found no pair with room in time
             return self._overloaded(endpoint, e)
         finally:
             self.admission.leave()
 
     async def _attempts(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any],
-                        attempts: list[Attempt], legs: Legs | None) -> web.StreamResponse:
+                        attempts: list[Attempt], legs: Legs | None, prefer: Preference | None) -> web.StreamResponse:
         """At most two attempts, the first on `legs` (what admission granted), each releasing its engine slots; the
         second on another pair when one comes soon enough (`_retry_legs`)."""
         tried: set[str] = set()
         failed_at = 0.0  # when the last attempt failed (time.monotonic())
         last: UpstreamFailed | None = None
         for i in range(2):
-            legs = await (self._retry_legs(tried, failed_at) if i else self._await_pair(tried, legs))
+            legs = await (self._retry_legs(tried, failed_at, prefer) if i else self._await_pair(tried, legs, prefer))
             if legs is None:
                 break
             try:
@@ -326,6 +339,8 @@ class Router:
                     (self.m.retries if last.role == "prefill" else self.m.decode_retries).inc()
                 attempt = Attempt(uuid.uuid4().hex, prefill.engine_id, decode.engine_id, time.monotonic())
                 attempts.append(attempt)
+                if prefer is not None:
+                    return await self._prefixed(request, endpoint, body, legs, attempt, prefer)
                 return await self._one(request, endpoint, body, legs, attempt)
             except UpstreamFailed as e:
                 failed_at = time.monotonic()
@@ -348,6 +363,26 @@ class Router:
                                               "layout keys is available")
         return self._error(endpoint, 502, f"upstream failure: {last}")
 
+    async def _prefixed(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any], legs: Legs,
+                        tl: Attempt, prefer: Preference) -> web.StreamResponse:
+        """An attempt routed by the index: on the pair, or on decode alone when it holds enough of the prompt
+        (kv_scoring.py)."""
+        assert self.prefix is not None
+        decode = legs.decode
+        alone = prefer.decode_only(decode.engine_id)
+        tl.prefix = Prefix(prefer.prompt_tokens, None if alone else prefer.cached(legs.prefill.engine_id),
+                           prefer.cached(decode.engine_id))
+        self.prefix.chosen(prefer, None if alone else legs.prefill.engine_id, decode.engine_id)
+        if not alone:
+            return await self._one(request, endpoint, body, legs, tl)
+        tl.prefill = None
+        legs.prefill_answered()  # its slot: no prefill leg runs
+        resp = await self._open_decode(decode, PATHS[endpoint], copy.deepcopy(body), tl.request_id, tl)
+        self.m.decode_legs.labels(mode="decode-only").inc()
+        served = {"X-Request-Id": tl.request_id, DECODE_HEADER: decode.engine_id}
+        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # no KV is owed by anyone
+        return await self._relay(request, endpoint, resp, tl, served, (never, decode))
+
     async def _one(self, request: web.Request, endpoint: pd.Endpoint, body: dict[str, Any], legs: Legs,
                    tl: Attempt) -> web.StreamResponse:
         """One attempt on the pair of `legs`; the prefill slot is given back once prefill answers."""
@@ -367,6 +402,7 @@ class Router:
                 pre = await _unless_gone(prefill_task, prefill_gone, prefill, "answered")
                 pd.check_prefill_answer(pre)
                 tl.prefill_done = time.monotonic()
+                self._reported(tl, pre)
                 legs.prefill_answered()
                 params = pd.pull_decode_params(pre) if self.s.mode == "pull" else \
                     pd.push_decode_params(endpoint, rid, prefill, self.s.transfer_id)
@@ -377,8 +413,10 @@ class Router:
                 decode_task = asyncio.create_task(
                     self._open_decode(decode, path, pd.decode_body(body, params), rid, tl))
                 # A failed prefill means decode would wait for KV that never comes: cancel it, never let it hang.
-                pd.check_prefill_answer(await _unless_gone(prefill_task, prefill_gone, prefill, "answered"))
+                pre = await _unless_gone(prefill_task, prefill_gone, prefill, "answered")
+                pd.check_prefill_answer(pre)
                 tl.prefill_done = time.monotonic()
+                self._reported(tl, pre)
                 legs.prefill_answered()
             # Until decode's first token, its KV may still be owed by the prefill engine.
             resp = await _unless_gone(decode_task, prefill_gone, prefill, "sent decode its KV")
@@ -418,6 +456,8 @@ class Router:
                 raw = await _read_unless_gone(resp.read(), resp, gone, prefill)
                 tl.first_token = time.monotonic()
                 self._observe(tl)
+                if tl.prefix is not None and tl.prefix.decode_only:
+                    self._reported(tl, _json_or_text(raw.decode("utf-8", errors="replace")))
                 self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
                 return web.Response(body=raw, status=200, content_type="application/json", headers=served)
             chunk = await _read_unless_gone(resp.content.readany(), resp, gone, prefill)
@@ -458,6 +498,14 @@ class Router:
             return out
         finally:
             resp.release()
+
+    def _reported(self, tl: Attempt, answer: Any) -> None:
+        """The cached tokens the engine that computed the prompt reported in `answer`, against the prediction."""
+        if tl.prefix is None or self.prefix is None or (cached := pd.cached_tokens(answer)) is None:
+            return
+        tl.prefix.actual = cached
+        predicted = tl.prefix.decode if tl.prefix.prefill is None else tl.prefix.prefill
+        self.prefix.reported(predicted, cached)
 
     def _observe(self, tl: Attempt) -> None:
         assert tl.first_token is not None
@@ -574,6 +622,12 @@ def _kv_follower(pool: EnginePool, settings: Settings, metrics: Metrics) -> KvFo
     follower = KvFollower(pool.engines, index)
     metrics.registry.register(KvMetrics(follower))
     return follower
+
+
+def _prefix_routing(pool: EnginePool, follower: KvFollower, settings: Settings, metrics: Metrics) -> PrefixRouting:
+    from .prefix_routing import PrefixRouting
+
+    return PrefixRouting(pool, follower.index, settings.prefix_weights, metrics.registry)
 
 
 async def _freeze_when_started(_app: web.Application) -> None:
@@ -709,7 +763,9 @@ def build(args: argparse.Namespace) -> tuple[Router, list[tuple[EngineCache, Ren
                         max_inflight_per_engine=args.max_inflight_per_engine, max_queue=args.max_queue,
                         queue_wait=args.queue_wait_seconds, served_model_name=args.served_model_name,
                         policy=args.policy, kv_index_max_engines=args.kv_index_max_engines,
-                        kv_index_max_blocks_per_engine=args.kv_index_max_blocks_per_engine)
+                        kv_index_max_blocks_per_engine=args.kv_index_max_blocks_per_engine,
+                        prefix_weights=Weights(args.prefill_hit_weight, args.decode_hit_weight,
+                                               args.decode_only_share))
     synced = tasks[0][0].synced.is_set if tasks else lambda: True
     access_log = AccessLog.open(args.access_log) if args.access_log else None
     return Router(EnginePool(args.mode, source), settings, synced=synced, access_log=access_log), tasks

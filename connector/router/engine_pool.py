@@ -31,6 +31,7 @@ from collections.abc import Set as AbstractSet
 import aiohttp
 
 from ..wire.advertisement import EngineAdvertisement
+from .kv_scoring import Preference
 from .pd_protocol import compatible
 
 log = logging.getLogger("disagg.router.pool")
@@ -63,26 +64,35 @@ class EnginePool:
         `exclude` (those a request already failed on)."""
         return self.place(exclude)[0]
 
-    def place(self, exclude: AbstractSet[str] = frozenset(), limit: int | None = None) -> tuple[Pair | None, bool]:
+    def place(self, exclude: AbstractSet[str] = frozenset(), limit: int | None = None,
+              prefer: Preference | None = None) -> tuple[Pair | None, bool]:
         """`choose` among the engines with fewer than `limit` outstanding legs (None: no bound), and whether any
         compatible pair exists at all, room or not: (None, True) is a full deployment, (None, False) one without a
-        pair."""
+        pair. With `prefer` (prefix-aware routing, kv_scoring.py), engines go by its cost, which adds to their load
+        the share of the prompt each would bring in itself; which pairs have room does not depend on it."""
         load = self.outstanding
+
+        def key(e: EngineAdvertisement) -> tuple[float, str]:
+            n = load.get(e.engine_id, 0)
+            return (n if prefer is None else prefer.cost(e, n)), e.engine_id
+
         prefills = [p for p in self.healthy("prefill") if p.engine_id not in exclude]
         decodes = [d for d in self.healthy("decode") if d.engine_id not in exclude]
         exists = False
-        for decode in sorted(decodes, key=lambda e: (load.get(e.engine_id, 0), e.engine_id)):
+        for decode in sorted(decodes, key=key):
             matches = [p for p in prefills if compatible(p, decode)]
             if not matches:
                 continue
             exists = True
             if limit is not None:
                 if load.get(decode.engine_id, 0) >= limit:
-                    break  # decodes come least loaded first: every later one is full too
+                    if prefer is None:
+                        break  # decodes come least loaded first: every later one is full too
+                    continue
                 matches = [p for p in matches if load.get(p.engine_id, 0) < limit]
                 if not matches:
                     continue
-            return (min(matches, key=lambda e: (load.get(e.engine_id, 0), e.engine_id)), decode), True
+            return (min(matches, key=key), decode), True
         return None, exists
 
     def answered_since(self, engine_id: str, since: float) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from . import kv_index
+from . import kv_index, kv_scoring
 
 DEFAULT_MAX_INFLIGHT = 1024
 """Requests in flight per router: what one router core streams at a steady pace (the operator's default too)."""
@@ -55,9 +55,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "deployment scaled to zero, or starting), so clients that check the model first wait for a "
                         "pair like any request instead of failing")
     p.add_argument("--policy", choices=POLICIES, default="least-loaded",
-                   help="how requests pick engines. Both route least-loaded for now; prefix-aware also subscribes to "
-                        "the KV events of every engine that advertises them and keeps an index of the blocks each "
-                        "holds (disagg_router_kv_* metrics)")
+                   help="how requests pick engines: least outstanding legs, or prefix-aware: also by the prompt "
+                        "blocks each engine holds, from an index of every advertising engine's KV events "
+                        "(disagg_router_kv_* and disagg_router_prefix_* metrics); the prompt is tokenized by an "
+                        "engine's /tokenize")
+    p.add_argument("--prefill-hit-weight", type=_weight, default=kv_scoring.DEFAULT_PREFILL_WEIGHT,
+                   help="prefix-aware: what a prompt the prefill engine holds none of weighs, in outstanding legs "
+                        "(a whole hit saves that much); 0 ignores prefill caches")
+    p.add_argument("--decode-hit-weight", type=_weight, default=kv_scoring.DEFAULT_DECODE_WEIGHT,
+                   help="prefix-aware: the same for decode engines, which receive only the blocks they lack")
+    p.add_argument("--decode-only-share", type=_share, default=kv_scoring.DEFAULT_DECODE_ONLY_SHARE,
+                   help="prefix-aware: a request whose decode engine holds at least this share of its prompt skips "
+                        "prefill, and decode computes the rest; above 1: never")
     per_block = kv_index.BYTES_PER_BLOCK
     default_mib = kv_index.DEFAULT_MAX_ENGINES * kv_index.DEFAULT_MAX_BLOCKS_PER_ENGINE * per_block >> 20
     p.add_argument("--kv-index-max-engines", type=_positive, default=kv_index.DEFAULT_MAX_ENGINES,
@@ -88,6 +97,20 @@ def _positive(text: str) -> int:
     if not 1 <= n <= 1 << 30:
         raise argparse.ArgumentTypeError(f"must be between 1 and 2**30, got {n}")
     return n
+
+
+def _weight(text: str) -> float:
+    x = float(text)
+    if not 0 <= x <= 1000:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1000, got {text}")
+    return x
+
+
+def _share(text: str) -> float:
+    x = float(text)
+    if not 0 < x <= 2:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 2 (above 1: never), got {text}")
+    return x
 
 
 def _seconds(text: str) -> float:

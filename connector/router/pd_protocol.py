@@ -184,3 +184,12 @@ def model_list(served_model_name: str, created: int) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
                                         "owned_by": "disagg-router", "root": served_model_name, "parent": None,
                                         "permission": []}]}
+
+
+def cached_tokens(answer: Any) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of an engine's answer (vLLM reports it with
+    --enable-prompt-tokens-details), or None when it is not there."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None

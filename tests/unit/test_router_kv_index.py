@@ -2,7 +2,7 @@
 prefill and a decode engine emulator (tests/support/emulators.py: real HTTP, real side channel, and KV events
 published in vLLM's format on real ZMQ sockets), one request through the pair leaves blocks in the router's index
 for each engine that served it, the router's metrics say so, and a withdrawn engine's blocks are gone at the next
-round. Routing itself is unchanged (least-loaded)."""
+round. Routing by the index is tests/unit/test_router_prefix_routing.py's."""
 from __future__ import annotations
 
 import argparse
@@ -12,27 +12,20 @@ import re
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.connector.emulator.main import advertisement
 from disagg.connector.router import flags, kv_index
 from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER, Router, Settings, build
 from disagg.connector.router.engine_pool import EnginePool
+from disagg.connector.router.kv_scoring import Weights
 from support.emulators import emulated_pair, pd_request
+from support.metrics import samples as scrape
 from support.stub_engines import serving
 
 BS = 16
 PROMPT = list(range(1, 101))  # token ids: 6 full blocks of 16, and 4 tokens the index never keys
 EARLY = list(range(200, 232))  # 2 blocks, served before the router started
 WAIT = 10.0
-
-
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of the router's /metrics, by name and labels."""
-    async with session.get(url + "/metrics") as r:
-        text = await r.text()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @pytest.mark.timeout(30)
@@ -44,7 +37,9 @@ async def test_a_prefix_aware_router_indexes_what_its_engines_served_and_drops_a
         async with aiohttp.ClientSession() as s:  # before the router: its subscriptions join late, as vLLM's allow
             early = await pd_request(s, pair, "completions", {"model": "tiny", "prompt": EARLY, "max_tokens": 2})
             assert early["decode"]["status"] == 200
-        router = Router(EnginePool("push", lambda: engines), Settings(mode="push", policy="prefix-aware"))
+        # Never decode alone: this test is about what the index holds after both legs ran.
+        router = Router(EnginePool("push", lambda: engines), Settings(mode="push", policy="prefix-aware",
+                                                                      prefix_weights=Weights(decode_only_share=2.0)))
         kv = router.kv
         assert kv is not None
         index = kv.index

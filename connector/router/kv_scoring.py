@@ -1,0 +1,77 @@
+"""How prefix-aware routing weighs what an engine already holds against how busy it is. Pure: no sockets, no
+clocks; the router builds a `Preference` per request and pairing (`EnginePool.place`) sorts by its costs.
+
+Cost. Pairing already orders engines by their outstanding legs; a request adds to that the share of its prompt the
+engine would have to bring in itself, weighted per role:
+
+    cost(engine) = outstanding legs + weight(role) * (1 - cached tokens / prompt tokens)
+
+A leg in flight stands for about one request's worth of work ahead of this one, so `prefill_weight` 1.0 says that a
+prompt computed in full costs a prefill engine as much as one more request in its queue, and a whole hit saves
+that. Decode in push mode registers and receives only the blocks it lacks (pull mode: it reads only those), so a
+decode hit saves transfer, not compute: `decode_weight` is smaller by default. Weights of 0 are least-loaded
+routing, exactly (ties then break on engine id, as there).
+
+Decode alone. When the chosen decode engine already holds at least `decode_only_share` of the prompt, the request
+skips prefill: decode computes the rest itself, and nothing crosses the wire. Above 1, never.
+
+Predictions come from the router's index (kv_index.py), which errs by missing blocks, never by inventing them: a
+prediction can only undercount, so a wrong one costs a miss, never a wrong token (each engine computes whatever it
+does not hold).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..wire.advertisement import EngineAdvertisement
+
+DEFAULT_PREFILL_WEIGHT = 1.0
+DEFAULT_DECODE_WEIGHT = 0.5
+DEFAULT_DECODE_ONLY_SHARE = 0.9
+"""At 90% or more of the prompt cached on decode, decode computes at most a tenth of the prompt itself: less than
+a prefill leg, its handoff and the transfer of those blocks cost, for any prompt long enough for a hit to matter."""
+
+
+@dataclass(frozen=True)
+class Weights:
+    prefill: float = DEFAULT_PREFILL_WEIGHT
+    decode: float = DEFAULT_DECODE_WEIGHT
+    decode_only_share: float = DEFAULT_DECODE_ONLY_SHARE
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 0:
+            raise ValueError("prefix weights are at least 0")
+        if self.decode_only_share <= 0:
+            raise ValueError("the decode-only share is above 0 (above 1: never)")
+
+
+class Preference:
+    """One request's predicted cached tokens per engine, each looked up once, and what they weigh.
+
+    `cached(engine_id)` is the index's prediction (tokens of the longest contiguous prefix held, in whole blocks).
+    Invariants: `cost` is the outstanding load plus at most the role's weight; with a prompt of no tokens, or
+    weights of 0, it is the load alone."""
+
+    def __init__(self, prompt_tokens: int, cached: Callable[[str], int], weights: Weights) -> None:
+        self.prompt_tokens, self.weights = prompt_tokens, weights
+        self._lookup = cached
+        self._cached: dict[str, int] = {}
+
+    def cached(self, engine_id: str) -> int:
+        if (n := self._cached.get(engine_id)) is None:
+            n = self._cached[engine_id] = min(self._lookup(engine_id), self.prompt_tokens)
+        return n
+
+    def share(self, engine_id: str) -> float:
+        return self.cached(engine_id) / self.prompt_tokens if self.prompt_tokens > 0 else 0.0
+
+    def cost(self, engine: EngineAdvertisement, load: int) -> float:
+        weight = self.weights.prefill if engine.role == "prefill" else self.weights.decode
+        if weight == 0 or self.prompt_tokens <= 0:
+            return float(load)
+        return load + weight * (1.0 - self.share(engine.engine_id))
+
+    def decode_only(self, decode_id: str) -> bool:
+        """Whether decode already holds enough of the prompt to compute the rest alone."""
+        return self.prompt_tokens > 0 and self.share(decode_id) >= self.weights.decode_only_share
