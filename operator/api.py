@@ -368,6 +368,22 @@ def ranks_per_pod(role: RoleSpec) -> int:
     return role.tensor_parallel_size * role.pipeline_parallel_size * role.data_parallel_size
 
 
+class PrefixRoutingSpec(Model):
+    """How the prefix-aware router weighs the prompt blocks an engine holds against its load. A request's cost on
+    an engine is its outstanding legs plus the role's weight times the share of the prompt the engine does not
+    hold; the cheapest pair wins."""
+
+    prefill_hit_weight: float = Field(default=1.0, ge=0, le=1000)
+    """What a prompt a prefill engine holds none of weighs, in outstanding legs: at 1, a whole hit is worth one
+    request less in its queue. 0 ignores prefill caches."""
+    decode_hit_weight: float = Field(default=0.5, ge=0, le=1000)
+    """The same for decode engines. Decode receives only the blocks it lacks, so a hit there saves transfer, not
+    compute; 0 ignores decode caches."""
+    decode_only_share: float = Field(default=0.9, ge=0.01, le=2)
+    """A request whose decode engine already holds at least this share of its prompt skips prefill: decode
+    computes the rest itself and nothing crosses the wire. Above 1: never."""
+
+
 class RouterSpec(Model):
     """The push-aware router: the deployment's OpenAI-compatible endpoint."""
 
@@ -407,9 +423,13 @@ class RouterSpec(Model):
     5557 and its replay on 5558; with N data-parallel ranks, events on the N ports from 5557 and replay on the N
     after them) and advertises where in the rendezvous, for routing by the prompt prefix each engine already
     holds. It needs vLLM's prefix caching (on by default), so `--no-enable-prefix-caching` and a `--kv-events-config`
-    of your own in the args are refused. The router does not use the events yet: both policies route least-loaded.
+    of your own in the args are refused. The router indexes the events, has an engine tokenize each prompt
+    (/tokenize), and weighs what each engine holds against its load (see prefix); engines also report their cached
+    prompt tokens (`--enable-prompt-tokens-details`), which the router's access log sets against its prediction.
     A change of policy is a new revision of the engines (a rollout). Engine emulators publish their events under
     either policy."""
+    prefix: PrefixRoutingSpec = Field(default_factory=PrefixRoutingSpec)
+    """prefix-aware: the weights of what engines hold against their load. Ignored by least-loaded."""
 
 
 class RendezvousSpec(Model):

@@ -144,7 +144,8 @@ def engine_args(spec: DisaggregatedInferenceSpec, role_name: str) -> list[str]:
     args += ["--kv-transfer-config", json.dumps(kv_transfer_config(spec, role_name), separators=(",", ":"))]
     events = kv_events_config(spec, role_name)
     if events is not None:  # absent otherwise: a CR that does not ask keeps the engine arguments it had
-        args += ["--kv-events-config", json.dumps(events, separators=(",", ":"))]
+        # The cached tokens in each answer's usage: what prefix-aware routing's predictions are checked against.
+        args += ["--kv-events-config", json.dumps(events, separators=(",", ":")), "--enable-prompt-tokens-details"]
     return args + list(spec.engine.args) + list(role.args)
 
 

@@ -139,7 +139,10 @@ def router_deployment(cr: DisaggregatedInference, images: OperatorImages) -> dic
                "--served-model-name", spec.served_name]
     # Only when asked: a least-loaded CR's routers keep the command they had, so an operator upgrade rolls none.
     if spec.router.policy == PREFIX_AWARE:
-        command += ["--policy", PREFIX_AWARE]
+        prefix = spec.router.prefix
+        command += ["--policy", PREFIX_AWARE, "--prefill-hit-weight", f"{prefix.prefill_hit_weight:g}",
+                    "--decode-hit-weight", f"{prefix.decode_hit_weight:g}",
+                    "--decode-only-share", f"{prefix.decode_only_share:g}"]
     if spec.router.access_log:
         command += ["--access-log", "-"]
     # Ready once it has read the rendezvous, whether or not a pair is up: a router that is not Ready takes the

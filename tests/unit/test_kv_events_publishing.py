@@ -74,7 +74,7 @@ def test_least_loaded_renders_the_engines_exactly_as_before_the_field(profile):
     assert engine_revision(explicit, images) == engine_revision(unset, images)
     children = build_children(unset, images=images)
     for role in ("prefill", "decode"):
-        assert "--kv-events-config" not in engine_args(unset.spec, role)
+        assert not {"--kv-events-config", "--enable-prompt-tokens-details"} & set(engine_args(unset.spec, role))
         assert not {wire_env.KV_EVENTS_PORT, wire_env.KV_EVENTS_REPLAY_PORT} & set(env_of(engine(children, role)))
         assert not [n for n in port_names(engine(children, role)) if n.startswith("kv-")]
 
@@ -87,6 +87,7 @@ def test_prefix_aware_renders_vllms_events_config_env_and_ports_on_every_profile
         args = engine_args(cr.spec, role)
         assert flag(args, "--kv-events-config") == ONE_RANK_JSON
         assert args.index("--kv-transfer-config") < args.index("--kv-events-config")
+        assert "--enable-prompt-tokens-details" in args  # the cached tokens the router checks its index against
         # Prefix caching is vLLM's default (the events report on it): nothing renders a flag about it.
         assert not [a for a in args if "prefix-caching" in a]
         c = engine(children, role)
@@ -199,7 +200,7 @@ def test_the_crd_documents_the_policy_and_defaults_it():
     policy = router["properties"]["policy"]
     assert policy["enum"] == ["least-loaded", "prefix-aware"] and policy["default"] == "least-loaded"
     assert router["default"]["policy"] == "least-loaded"
-    for needle in ("--kv-events-config", "5557", "5558", "does not use the events yet", "new revision"):
+    for needle in ("--kv-events-config", "5557", "5558", "/tokenize", "--enable-prompt-tokens-details", "new revision"):
         assert needle in policy["description"], needle
     assert api.RouterSpec().policy == api.LEAST_LOADED
 

@@ -84,11 +84,22 @@ def test_a_prefix_aware_cr_tells_its_routers_and_a_least_loaded_one_leaves_their
     default = command({})
     assert "--policy" not in default and command({"policy": "least-loaded"}) == default
     aware = command({"policy": "prefix-aware"})
-    assert aware[aware.index("--policy"):aware.index("--policy") + 2] == ["--policy", "prefix-aware"]
-    assert [a for a in aware if a not in ("--policy", "prefix-aware")] == default  # nothing else changes
+    i = aware.index("--policy")
+    assert aware[i:i + 8] == ["--policy", "prefix-aware", "--prefill-hit-weight", "1", "--decode-hit-weight", "0.5",
+                              "--decode-only-share", "0.9"]
+    assert aware[:i] + aware[i + 8:] == default  # nothing else changes
     p = argparse.ArgumentParser()
     flags.add_arguments(p)
     assert p.parse_args(aware[2:]).policy == "prefix-aware" and p.parse_args(default[2:]).policy == "least-loaded"
+    # The CRD's bounds are the router's: whatever admission accepts, the router starts with.
+    for prefix in ({"prefillHitWeight": 0, "decodeHitWeight": 1000, "decodeOnlyShare": 2},
+                   {"prefillHitWeight": 2.5, "decodeHitWeight": 0, "decodeOnlyShare": 0.01}):
+        args = p.parse_args(command({"policy": "prefix-aware", "prefix": prefix})[2:])
+        assert (args.prefill_hit_weight, args.decode_hit_weight, args.decode_only_share) == \
+            (prefix["prefillHitWeight"], prefix["decodeHitWeight"], prefix["decodeOnlyShare"])
+    for bad in ({"prefillHitWeight": -1}, {"decodeHitWeight": 1001}, {"decodeOnlyShare": 0}, {"decodeOnlyShare": 3}):
+        with pytest.raises(ValueError):
+            make_cr({"router": {"policy": "prefix-aware", "prefix": bad}})
 
 
 @pytest.mark.parametrize("router", [{"maxInflight": -1}, {"maxQueue": "many"}, {"queueWaitSeconds": 3601},
