@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg.connector.wire import env as wire_env
+from disagg.connector.wire import kv_events as wire_kv_events
 from disagg.connector.wire.kv_transfer import kv_transfer_config
 
 from .cluster import die_with_parent
@@ -54,6 +55,10 @@ class EngineSpec:
     push_registration_timeout: float | None = None
     """Seconds a push decode waits for its prefill's KV (`spec.kvTransfer.registrationTimeoutSeconds`); None:
     vLLM's default (480 s)."""
+    kv_events: bool = False
+    """Publish KV cache events (vLLM's `--kv-events-config`, on two ports of its own) and advertise them, and report
+    cached prompt tokens in each answer's usage: what a prefix-aware router needs (the operator renders the same)."""
+    kv_events_ports: tuple[int, int] = (0, 0)
     netns: Slot | None = None
     """A network namespace of its own (devcluster/netns.py), as a pod has: the engine listens on its address and
     its KV crosses a link. None: the host's namespace, on loopback."""
@@ -126,6 +131,8 @@ class LocalEngine:
         self.proc: subprocess.Popen[bytes] | None = None
         spec.port = spec.port or listen_port()
         spec.side_channel_port = spec.side_channel_port or listen_port()
+        if spec.kv_events and spec.kv_events_ports == (0, 0):
+            spec.kv_events_ports = (listen_port(), listen_port())
 
     @property
     def url(self) -> str:
@@ -146,6 +153,9 @@ class LocalEngine:
             argv += ["--num-gpu-blocks-override", str(s.num_blocks)]
         if (cfg := s.kv_transfer_config()) is not None:
             argv += ["--kv-transfer-config", json.dumps(cfg)]
+        if s.kv_events:
+            argv += ["--kv-events-config", json.dumps(wire_kv_events.vllm_config(*s.kv_events_ports)),
+                     "--enable-prompt-tokens-details"]
         return argv
 
     def start(self) -> LocalEngine:
@@ -169,6 +179,8 @@ class LocalEngine:
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
             **({"PYTHONPATH": str(s.plugin_dir), wire_env.ENGINE_ID: s.engine_id, wire_env.HTTP_PORT: str(s.port),
                 wire_env.ROLE: s.role or ""} if s.plugin_dir is not None else {}),
+            **({wire_env.KV_EVENTS_PORT: str(s.kv_events_ports[0]),
+                wire_env.KV_EVENTS_REPLAY_PORT: str(s.kv_events_ports[1])} if s.kv_events else {}),
             **s.extra_env,
         }
         with self.log.open("ab") as out:

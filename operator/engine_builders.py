@@ -99,8 +99,7 @@ def kv_events_config(spec: DisaggregatedInferenceSpec, role_name: str) -> dict[s
     if not spec.kv_events:
         return None
     events, replay = kv_events_ports(spec, role_name)
-    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events[0]}",
-            "replay_endpoint": f"tcp://*:{replay[0]}", "topic": wire_kv_events.TOPIC}
+    return wire_kv_events.vllm_config(events[0], replay[0])
 
 
 def kv_events_ports(spec: DisaggregatedInferenceSpec, role_name: str) -> tuple[range, range]:

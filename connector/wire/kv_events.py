@@ -83,6 +83,13 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 
+def vllm_config(events_port: int, replay_port: int) -> dict[str, Any]:
+    """vLLM's `--kv-events-config` (vllm/config/kv_events.py) publishing on ZMQ: events on `events_port`, the replay
+    on `replay_port`, both on every interface. vLLM adds a data-parallel rank's number to each port."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}", "topic": TOPIC}
+
+
 def encode_batch(batch: KVEventBatch) -> bytes:
     """The msgpack payload vLLM publishes for a batch."""
     return _ENCODER.encode(batch)

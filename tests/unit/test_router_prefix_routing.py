@@ -22,8 +22,8 @@ from disagg.connector.router.app import DECODE_HEADER, PREFILL_HEADER, Router, S
 from disagg.connector.router.engine_pool import EnginePool
 from disagg.connector.router.kv_scoring import Weights
 from support.emulators import Pair, emulated_pair, http, pd_request
-from support.stub_engines import serving
 from support.metrics import samples as scrape
+from support.stub_engines import serving
 
 BS = 16
 WAIT = 10.0

@@ -1,0 +1,126 @@
+"""Prefix-aware routing on real vLLM engines (issue 36, item 6): a push pair publishing KV events as the operator
+renders them (`--kv-events-config`, `--enable-prompt-tokens-details`) and a `--policy prefix-aware` router.
+
+- Tokenizer parity: the router has an engine tokenize each prompt and keys the index on the events' token ids. A
+  request that extends an earlier one's prompt is predicted to hit exactly what the prefill engine then reports
+  cached, for completions and for a multi-turn chat. A tokenization that differed from the engine's (another
+  tokenizer, a missing template field) would predict 0.
+- Decode alone: a prompt decode holds enough of skips prefill, and gives the P/D path's greedy tokens; no prefill
+  engine sees it, and decode reports the prompt cached.
+Each result counts only with KV events applied, which the router's metrics show."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from support.engine_pair import Pair
+from support.engines import MAX_TOKENS, metric, post, text_of
+
+pytestmark = pytest.mark.engines
+BLOCK = 128  # the engines' block size (EngineSpec's default, as in every engine test)
+
+
+@pytest.fixture(scope="module")
+def prefix_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_dir, tmp_path_factory):
+    access_log = tmp_path_factory.mktemp("prefix") / "access.jsonl"
+    pair = Pair("push", vllm_python, model, engine_logs, rendezvous, plugin_dir, name="prefix", kv_events=True,
+                access_log=access_log, router_args=("--policy", "prefix-aware"))
+    try:
+        yield pair.start()
+    finally:
+        pair.stop()
+
+
+def last_record(pair: Pair) -> dict:
+    assert pair.access_log is not None
+    return json.loads(pair.access_log.read_text().splitlines()[-1])
+
+
+def await_indexed(router_url: str, stored_before: float, blocks: int, timeout: float = 30) -> None:
+    """Until the router has stored `blocks` more blocks from the engines' events (they arrive on their own)."""
+    deadline = time.monotonic() + timeout
+    while (now := metric(router_url, "disagg_router_kv_blocks_stored_total")) < stored_before + blocks:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router stored {now - stored_before} of {blocks} blocks in {timeout} s")
+        time.sleep(0.1)
+
+
+def text(n: int) -> str:
+    """About `n` tokens (the tiny model's tokenizer takes a byte at a time), starting with what no earlier request
+    sent, so nothing of it is cached anywhere yet."""
+    head = f"[{uuid.uuid4().hex}] "
+    body = "Disaggregated serving splits prefill and decode across engines. "
+    return (head + body * (n // len(body) + 1))[:n]
+
+
+def completion(prompt: str) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_prompt_extending_an_earlier_one_is_predicted_to_hit_what_the_engine_reports(prefix_pair):
+    url = prefix_pair.router.url
+    first = text(4 * BLOCK + 40)
+    stored = metric(url, "disagg_router_kv_blocks_stored_total")
+    status, resp = post(url + "/v1/completions", completion(first))
+    assert status == 200, resp
+    tokens = resp["usage"]["prompt_tokens"]
+    await_indexed(url, stored, 2 * (tokens // BLOCK))  # the prompt's full blocks, on prefill and on decode
+
+    status, resp = post(url + "/v1/completions", completion(first + text(6 * BLOCK)))
+    assert status == 200, resp
+    record = last_record(prefix_pair)
+    held = tokens // BLOCK * BLOCK
+    assert record["prefix"]["predicted"] == {"prefill": held, "decode": held} and not record["prefix"]["decode_only"]
+    assert record["prefix"]["actual"] == held  # the prefill engine's own count of its prefix-cache hit
+    assert metric(url, "disagg_router_kv_events_applied_total") > 0
+
+
+def test_a_multi_turn_chat_is_predicted_to_hit_its_earlier_turns(prefix_pair):
+    url = prefix_pair.router.url
+    turn = [{"role": "system", "content": text(3 * BLOCK)}, {"role": "user", "content": "Say something."}]
+    body = {"model": "tiny", "messages": turn, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    stored = metric(url, "disagg_router_kv_blocks_stored_total")
+    status, resp = post(url + "/v1/chat/completions", body)
+    assert status == 200, resp
+    first_tokens = resp["usage"]["prompt_tokens"]
+    await_indexed(url, stored, 2 * (first_tokens // BLOCK))
+
+    conversation = [*turn, {"role": "assistant", "content": text_of(resp)},
+                    {"role": "user", "content": text(4 * BLOCK)}]
+    status, resp = post(url + "/v1/chat/completions", {**body, "messages": conversation})
+    assert status == 200, resp
+    record = last_record(prefix_pair)
+    predicted = record["prefix"]["predicted"]["prefill"]
+    # The earlier turn's full blocks, up to where the rendered template first differs (the generation prompt).
+    assert predicted >= (first_tokens // BLOCK - 1) * BLOCK > 0
+    assert record["prefix"]["actual"] == predicted
+
+
+def test_a_prompt_decode_holds_skips_prefill_and_gives_the_p_d_paths_tokens(prefix_pair):
+    p, d, url = prefix_pair.prefill, prefix_pair.decode, prefix_pair.router.url
+    prompt = text(8 * BLOCK + 60)  # 8 of its 8.5 blocks held after it ran once: above the 0.9 share
+    stored = metric(url, "disagg_router_kv_blocks_stored_total")
+    status, pd_resp = post(url + "/v1/completions", completion(prompt))
+    assert status == 200, pd_resp
+    assert last_record(prefix_pair)["prefill"] == p.spec.engine_id
+    tokens = pd_resp["usage"]["prompt_tokens"]
+    await_indexed(url, stored, 2 * (tokens // BLOCK))
+
+    prefill_requests = metric(p.url, "vllm:request_success_total")
+    computed = metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    status, alone = post(url + "/v1/completions", completion(prompt))
+    assert status == 200, alone
+    record = last_record(prefix_pair)
+    assert record["prefix"]["decode_only"] and record["prefill"] is None and record["decode"] == d.spec.engine_id
+    assert text_of(alone) == text_of(pd_resp)
+    assert metric(p.url, "vllm:request_success_total") == prefill_requests  # no prefill leg
+    held = tokens // BLOCK * BLOCK
+    assert record["prefix"]["predicted"]["decode"] == held
+    assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == record["prefix"]["actual"] >= held - BLOCK
+    # Decode computed only what it did not hold: the rest of the prompt, never the whole.
+    assert 0 < metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_compute") - computed <= \
+        tokens - record["prefix"]["actual"]
+    assert metric(url, "disagg_router_decode_only_total") == 1
