@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -379,6 +380,11 @@ async def sample_memory(series: list[dict[str, Any]], t0: float, stop: asyncio.E
 
 # -- the run ---------------------------------------------------------------------------------------------------------
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    # SIGTERM cancels the run like Ctrl-C, so the cluster and the real node's pods are cleaned up either way (a
+    # soak started in the background from a script ignores SIGINT).
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     made = result_file.provenance()
     c = LocalCluster(ClusterConfig(name="bench-soak", real_node=True))  # emulated engines run on it too
     c.start(progress=lambda m: log(f"  {m}"))
