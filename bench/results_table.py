@@ -447,12 +447,27 @@ def _overload(name: str, d: dict[str, Any]) -> Iterator[Row]:
                       f"over one {x} arm of {cfg.get('unbounded_s')} s")
 
 
+def _kv_routing(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """Prefix-aware routing (issue 36): the goal rows bench/kv_routing.py's headline already lists, per fleet and
+    workload, pooled over rounds and runs; each run's own value beside, when runs were combined."""
+    per_run = [{(g["fleet"], g["workload"], g["measure"]): g["value"] for g in r.get("goals", [])}
+               for r in d.get("runs", [])]
+    for g in d["headline"]["goals"]:
+        key = (g["fleet"], g["workload"], g["measure"])
+        runs = [r.get(key) for r in per_run]
+        n = g["n"] + (f"; per run {runs}" if runs else "")
+        where = "all workloads" if g["workload"] == "all" else f"{g['workload']} workload"
+        yield Row("kv_routing", f"{g['fleet']} fleet, {where}: {g['measure']}", g["value"], "x", name,
+                  _ci(g.get("ci90")), Goal(g["op"], g["threshold"], "issue 36"), n)
+
+
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
     "emulator_fit": _emulator_fit, "emulator_calibration": _emulator_calibration,
     "emulator_footprint": _emulator_footprint,
     "pd_serving": _pd_serving, "cold_pair": _cold_pair, "cluster_path": _cluster_path,
     "operator_scale": _operator_scale, "rollout": _rollout, "capacity": _capacity, "router_stubs": _router_stubs,
     "kv_write": _kv_write, "abort_storm": _abort_storm, "soak": _soak, "overload": _overload,
+    "kv_routing": _kv_routing,
 }
 
 
