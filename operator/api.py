@@ -370,12 +370,13 @@ def ranks_per_pod(role: RoleSpec) -> int:
 
 class PrefixRoutingSpec(Model):
     """How the prefix-aware router weighs the prompt blocks an engine holds against its load. A request's cost on
-    an engine is its outstanding legs plus the role's weight times the share of the prompt the engine does not
-    hold; the cheapest pair wins."""
+    an engine is the work ahead of it there (prefill: the prompt tokens its queued requests compute, in prompts
+    like this one; decode: its requests in flight) plus the role's weight times the share of the prompt the
+    engine does not hold; the cheapest pair wins."""
 
     prefill_hit_weight: float = Field(default=1.0, ge=0, le=1000)
-    """What a prompt a prefill engine holds none of weighs, in outstanding legs: at 1, a whole hit is worth one
-    request less in its queue. 0 ignores prefill caches."""
+    """What computing the whole prompt weighs against the work queued on a prefill engine: at 1, as much as one
+    more prompt like it in its queue. 0 ignores prefill caches."""
     decode_hit_weight: float = Field(default=0.5, ge=0, le=1000)
     """The same for decode engines. Decode receives only the blocks it lacks, so a hit there saves transfer, not
     compute; 0 ignores decode caches."""

@@ -49,32 +49,49 @@ class Overloaded(Exception):
 
 
 class Legs:
-    """The engine slots one attempt holds. Each slot is released once, whatever calls come after."""
+    """The engine slots one attempt holds. Each slot is released once, whatever calls come after. `prefill_tokens`:
+    the prompt tokens the prefill engine computes for it, when known (routed by the index); they count in
+    `EnginePool.queued_tokens` while the prefill slot is held."""
 
-    __slots__ = ("_admission", "prefill", "decode", "_prefill_held", "_decode_held")
+    __slots__ = ("_admission", "prefill", "decode", "_prefill_held", "_decode_held", "_prefill_tokens")
 
-    def __init__(self, admission: Admission, prefill: EngineAdvertisement, decode: EngineAdvertisement) -> None:
+    def __init__(self, admission: Admission, prefill: EngineAdvertisement, decode: EngineAdvertisement,
+                 prefill_tokens: int | None = None) -> None:
         self._admission, self.prefill, self.decode = admission, prefill, decode
-        out = admission.pool.outstanding
+        pool = admission.pool
+        out = pool.outstanding
         out[prefill.engine_id] = out.get(prefill.engine_id, 0) + 1
         out[decode.engine_id] = out.get(decode.engine_id, 0) + 1
         self._prefill_held = self._decode_held = True
+        self._prefill_tokens = prefill_tokens
+        if prefill_tokens is not None:
+            legs, tokens = pool.queued_tokens.get(prefill.engine_id, (0, 0))
+            pool.queued_tokens[prefill.engine_id] = (legs + 1, tokens + prefill_tokens)
 
     def prefill_answered(self) -> None:
         if self._prefill_held:
-            self._prefill_held = False
-            self._admission._release_leg(self.prefill.engine_id)
+            self._release_prefill()
             self._admission._changed()
 
     def release(self) -> None:
         """Both slots, then one look at the queue: a waiter that needs the pair sees both free at once."""
         if self._prefill_held:
-            self._prefill_held = False
-            self._admission._release_leg(self.prefill.engine_id)
+            self._release_prefill()
         if self._decode_held:
             self._decode_held = False
             self._admission._release_leg(self.decode.engine_id)
         self._admission._changed()
+
+    def _release_prefill(self) -> None:
+        self._prefill_held = False
+        self._admission._release_leg(self.prefill.engine_id)
+        if self._prefill_tokens is not None:
+            queued = self._admission.pool.queued_tokens
+            legs, tokens = queued[self.prefill.engine_id]
+            if legs > 1:
+                queued[self.prefill.engine_id] = (legs - 1, tokens - self._prefill_tokens)
+            else:
+                del queued[self.prefill.engine_id]
 
 
 Grant = Legs | None
@@ -101,7 +118,8 @@ class Admission:
       arrival, no new request waits that could be placed (only a retry's excluded engines may have room);
     - a waiter that leaves (deadline, client gone) takes nothing with it and leaves nothing behind; one cancelled
       just after it was admitted gives back what it was given;
-    - with no request running or waiting, `in_flight` is 0 and `pool.outstanding` is empty."""
+    - with no request running or waiting, `in_flight` is 0, and `pool.outstanding` and `pool.queued_tokens` are
+      empty."""
 
     def __init__(self, pool: EnginePool, *, max_inflight: int | None, max_per_engine: int | None, max_queue: int,
                  queue_wait: float) -> None:
@@ -157,7 +175,9 @@ class Admission:
         if not holding:
             self.in_flight += 1
             self.admitted += 1
-        return None if pair is None else Legs(self, *pair)
+        if pair is None:
+            return None
+        return Legs(self, *pair, prefill_tokens=None if prefer is None else prefer.uncached(pair[0].engine_id))
 
     async def _wait(self, exclude: AbstractSet[str], holding: bool, prefer: Preference | None) -> Grant:
         loop = asyncio.get_running_loop()

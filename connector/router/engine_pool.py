@@ -46,6 +46,9 @@ class EnginePool:
         self._source = source
         self.outstanding: dict[str, int] = {}
         """Legs in flight per engine id (connector/router/admission.py says what holds one); absent when none."""
+        self.queued_tokens: dict[str, tuple[int, int]] = {}
+        """Per prefill engine id, of its legs in flight: how many carry the prompt tokens the engine computes for
+        them (legs routed by the index), and those tokens; absent when none."""
         self.down: set[str] = set()
         self.timeouts: dict[str, int] = defaultdict(int)
         self.max_model_len: dict[str, int] = {}  # from each engine's /v1/models, learned by the probes
@@ -74,7 +77,9 @@ class EnginePool:
 
         def key(e: EngineAdvertisement) -> tuple[float, str]:
             n = load.get(e.engine_id, 0)
-            return (n if prefer is None else prefer.cost(e, n)), e.engine_id
+            if prefer is None:
+                return n, e.engine_id
+            return prefer.cost(e, n, self.queued_tokens.get(e.engine_id, (0, 0))), e.engine_id
 
         prefills = [p for p in self.healthy("prefill") if p.engine_id not in exclude]
         decodes = [d for d in self.healthy("decode") if d.engine_id not in exclude]

@@ -60,10 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(disagg_router_kv_* and disagg_router_prefix_* metrics); the prompt is tokenized by an "
                         "engine's /tokenize")
     p.add_argument("--prefill-hit-weight", type=_weight, default=kv_scoring.DEFAULT_PREFILL_WEIGHT,
-                   help="prefix-aware: what a prompt the prefill engine holds none of weighs, in outstanding legs "
-                        "(a whole hit saves that much); 0 ignores prefill caches")
+                   help="prefix-aware: what computing the whole prompt weighs against the work queued on a prefill "
+                        "engine, in prompts like this one; 0 ignores prefill caches")
     p.add_argument("--decode-hit-weight", type=_weight, default=kv_scoring.DEFAULT_DECODE_WEIGHT,
-                   help="prefix-aware: the same for decode engines, which receive only the blocks they lack")
+                   help="prefix-aware: what a decode engine that holds none of the prompt weighs, in requests in "
+                        "flight (decode receives only the blocks it lacks); 0 ignores decode caches")
     p.add_argument("--decode-only-share", type=_share, default=kv_scoring.DEFAULT_DECODE_ONLY_SHARE,
                    help="prefix-aware: a request whose decode engine holds at least this share of its prompt skips "
                         "prefill, and decode computes the rest; above 1: never")

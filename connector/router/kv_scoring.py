@@ -1,15 +1,19 @@
 """How prefix-aware routing weighs what an engine already holds against how busy it is. Pure: no sockets, no
 clocks; the router builds a `Preference` per request and pairing (`EnginePool.place`) sorts by its costs.
 
-Cost. Pairing already orders engines by their outstanding legs; a request adds to that the share of its prompt the
-engine would have to bring in itself, weighted per role:
+Cost. A request's cost on an engine is the work ahead of it there plus the part of its own prompt the engine would
+bring in itself, in units of this request's prompt:
 
-    cost(engine) = outstanding legs + weight(role) * (1 - cached tokens / prompt tokens)
+    prefill: legs in flight of unknown size + their uncached prompt tokens / prompt tokens + prefill weight x miss
+    decode:  legs in flight + decode weight x miss
 
-A leg in flight stands for about one request's worth of work ahead of this one, so `prefill_weight` 1.0 says that a
-prompt computed in full costs a prefill engine as much as one more request in its queue, and a whole hit saves
-that. Decode in push mode registers and receives only the blocks it lacks (pull mode: it reads only those), so a
-decode hit saves transfer, not compute: `decode_weight` is smaller by default. Weights of 0 are least-loaded
+where miss = 1 - cached tokens / prompt tokens. A prefill leg routed by the index carries the prompt tokens its
+engine computes (`EnginePool.queued_tokens`): a queue of requests that mostly hit costs little, which counting
+requests would not see (an engine holding a shared prefix with one such request in flight beats an idle engine
+that holds nothing). A leg of unknown size (routed without a preference) counts as a prompt like this one. Decode's
+work per leg is generation, about the same whatever the prompt, so decode counts legs. In push mode decode
+registers and receives only the blocks it lacks (pull mode: it reads only those), so a decode hit saves transfer,
+not compute: `decode_weight` is smaller by default. Weights of 0 and no legs of known size are least-loaded
 routing, exactly (ties then break on engine id, as there).
 
 Decode alone. When the chosen decode engine already holds at least `decode_only_share` of the prompt, the request
@@ -50,8 +54,8 @@ class Preference:
     """One request's predicted cached tokens per engine, each looked up once, and what they weigh.
 
     `cached(engine_id)` is the index's prediction (tokens of the longest contiguous prefix held, in whole blocks).
-    Invariants: `cost` is the outstanding load plus at most the role's weight; with a prompt of no tokens, or
-    weights of 0, it is the load alone."""
+    Invariants: 0 <= `uncached` <= prompt tokens; `cost` is at most the engine's legs in flight plus the role's
+    weight; with a prompt of no tokens it is the legs in flight alone."""
 
     def __init__(self, prompt_tokens: int, cached: Callable[[str], int], weights: Weights) -> None:
         self.prompt_tokens, self.weights = prompt_tokens, weights
@@ -66,11 +70,20 @@ class Preference:
     def share(self, engine_id: str) -> float:
         return self.cached(engine_id) / self.prompt_tokens if self.prompt_tokens > 0 else 0.0
 
-    def cost(self, engine: EngineAdvertisement, load: int) -> float:
-        weight = self.weights.prefill if engine.role == "prefill" else self.weights.decode
-        if weight == 0 or self.prompt_tokens <= 0:
+    def uncached(self, engine_id: str) -> int:
+        """Prompt tokens the engine would compute itself."""
+        return self.prompt_tokens - self.cached(engine_id)
+
+    def cost(self, engine: EngineAdvertisement, load: int, queued: tuple[int, int] = (0, 0)) -> float:
+        """`load`: the engine's legs in flight; `queued`: how many of them carry their uncached prompt tokens, and
+        those tokens (prefill legs routed by the index)."""
+        if self.prompt_tokens <= 0:
             return float(load)
-        return load + weight * (1.0 - self.share(engine.engine_id))
+        if engine.role != "prefill":
+            return load + self.weights.decode * (1.0 - self.share(engine.engine_id))
+        legs, tokens = queued
+        ahead = (load - legs) + tokens / self.prompt_tokens
+        return ahead + self.weights.prefill * (1.0 - self.share(engine.engine_id))
 
     def decode_only(self, decode_id: str) -> bool:
         """Whether decode already holds enough of the prompt to compute the rest alone."""

@@ -14,9 +14,10 @@ ENGINES = [advert("p1", role="prefill"), advert("p2", role="prefill"), advert("d
            advert("d2", role="decode")]
 
 
-def pool(load: dict[str, int] | None = None) -> EnginePool:
+def pool(load: dict[str, int] | None = None, queued: dict[str, tuple[int, int]] | None = None) -> EnginePool:
     p = EnginePool("push", lambda: ENGINES)
     p.outstanding = dict(load or {})
+    p.queued_tokens = dict(queued or {})
     return p
 
 
@@ -43,6 +44,18 @@ def test_a_hit_is_worth_its_weight_in_outstanding_legs_and_no_more():
     assert ids(pool({"p2": 2}).place(prefer=prefer({"p2": 500}, prefill=3.0))[0])[0] == "p1"
 
 
+def test_a_prefill_queue_of_hits_weighs_what_it_computes_not_how_many_requests_it_holds():
+    """The shared-prompt case: p2 holds the prefix and computes 100 tokens for the one request it runs; p1 is idle
+    and holds nothing. Counting requests would send the next one to p1 and compute all 1000 tokens there."""
+    held = {"p2": 900}
+    assert ids(pool({"p2": 1}, {"p2": (1, 100)}).place(prefer=prefer(held))[0])[0] == "p2"  # 0.1 + 0.1 < 1
+    # A leg of unknown size (routed least-loaded) counts as a prompt like this one: 1 + 0.1 > 1.
+    assert ids(pool({"p2": 1}).place(prefer=prefer(held))[0])[0] == "p1"
+    # Five such hits queued are still less work than one whole prompt.
+    assert ids(pool({"p2": 5}, {"p2": (5, 500)}).place(prefer=prefer(held))[0])[0] == "p2"
+    assert ids(pool({"p2": 6}, {"p2": (6, 1000)}).place(prefer=prefer(held))[0])[0] == "p1"
+
+
 def test_decode_hits_weigh_with_the_decode_weight():
     held = {"d2": 1000}
     assert ids(pool({"d2": 1}).place(prefer=prefer(held))[0])[1] == "d1"  # 1 + 0 > 0 + 0.5
@@ -53,6 +66,7 @@ def test_decode_hits_weigh_with_the_decode_weight():
        held=st.dictionaries(st.sampled_from(["p1", "p2", "d1", "d2"]), st.integers(0, 2000)),
        limit=st.none() | st.integers(1, 6))
 def test_weights_of_zero_are_least_loaded_routing_and_room_never_depends_on_the_preference(load, held, limit):
+    """(With no prefill legs of known size: those weigh by their tokens, not by their count.)"""
     zero = prefer(held, prefill=0.0, decode=0.0)
     assert pool(load).place(limit=limit, prefer=zero) == pool(load).place(limit=limit)
     pair, exists = pool(load).place(limit=limit, prefer=prefer(held))
@@ -82,7 +96,7 @@ def test_a_prediction_never_exceeds_the_prompt_and_is_looked_up_once_per_engine(
         return 5000
 
     p = Preference(1000, lookup, Weights())
-    assert p.cached("d1") == 1000 and p.share("d1") == 1.0
+    assert p.cached("d1") == 1000 and p.share("d1") == 1.0 and p.uncached("d1") == 0
     pool().place(prefer=p)
     assert sorted(calls) == ["d1", "d2", "p1", "p2"]
 

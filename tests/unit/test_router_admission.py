@@ -309,3 +309,27 @@ async def _run(total: int | None, per_engine: int | None, queue: int, ops: list[
     assert a.in_flight == 0 and a.pool.outstanding == {} and a.waiting == 0
     event(f"queued {min(a.queued, 3)}+, refused for a full queue {min(m.refused, 1)}+")
     assert a.admitted == len(m.order) and a.rejected["queue_full"] == m.refused
+
+
+async def test_a_prefill_leg_routed_by_the_index_queues_its_uncached_tokens_until_prefill_answers():
+    """What prefix-aware pairing weighs a prefill queue by (kv_scoring.py): counted while the prefill slot is held,
+    gone with it, whichever way it goes."""
+    from disagg.connector.router.kv_scoring import Preference, Weights
+
+    a = admission()
+    held = {"p2": 900, "d2": 900}
+    prefer = Preference(1000, lambda engine_id: held.get(engine_id, 0), Weights())
+    first = await a.admit(prefer=prefer)
+    assert ids(first) == ("p2", "d2") and a.pool.queued_tokens == {"p2": (1, 100)}
+    second = await a.admit(prefer=prefer)  # decode legs count as legs: the idle decode wins this time
+    assert ids(second) == ("p2", "d1") and a.pool.queued_tokens == {"p2": (2, 200)}
+    plain = await a.admit()  # routed least-loaded: its size is unknown
+    assert ids(plain) == ("p1", "d1") and "p1" not in a.pool.queued_tokens
+    first.prefill_answered()
+    assert a.pool.queued_tokens == {"p2": (1, 100)}
+    first.release()
+    second.release()
+    plain.release()
+    for _ in range(3):
+        a.leave()
+    assert a.pool.queued_tokens == {} and a.pool.outstanding == {} and a.in_flight == 0
