@@ -466,15 +466,21 @@ class Router:
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                           "Cache-Control": "no-cache", **served})
             await out.prepare(request)
+            alone = tl.prefix is not None and tl.prefix.decode_only
+            tail = b""  # decode alone: the stream's end, where its usage is when the client asked for it
             while chunk:
                 if tl.first_token is None and b"data:" in chunk:
                     tl.first_token = time.monotonic()
                     self._observe(tl)
+                if alone:
+                    tail = (tail + chunk)[-pd.STREAM_TAIL_BYTES:]
                 try:
                     await out.write(chunk)
                 except ConnectionResetError:  # the client went away: no one to answer; release() aborts decode
                     return out
                 chunk = await resp.content.readany()
+            if alone:
+                self._reported(tl, pd.stream_usage(tail))
             await out.write_eof()
             self.m.requests.labels(mode=mode, endpoint=endpoint, status="200").inc()
             return out

@@ -12,6 +12,7 @@ Verified against the installed vLLM (0.32, nixl/push_scheduler.py, base_schedule
 from __future__ import annotations
 
 import copy
+import json
 from typing import Any, Literal
 
 from ..wire import strict_json
@@ -193,3 +194,23 @@ def cached_tokens(answer: Any) -> int | None:
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+
+
+STREAM_TAIL_BYTES = 8192
+"""Bytes of a stream's end that hold its usage chunk and [DONE]."""
+
+
+def stream_usage(tail: bytes) -> dict[str, Any] | None:
+    """The last chunk with a `usage` in the end of an SSE stream (present when the client asked for
+    `stream_options.include_usage`), as an answer `cached_tokens` reads; None when there is none."""
+    for line in reversed(tail.split(b"\n")):
+        line = line.strip()
+        if not line.startswith(b"data:") or b'"usage"' not in line:
+            continue
+        try:
+            chunk = json.loads(line[5:])
+        except ValueError:
+            continue
+        if isinstance(chunk, dict) and isinstance(chunk.get("usage"), dict):
+            return chunk
+    return None

@@ -97,6 +97,16 @@ async def test_requests_go_to_the_engines_that_hold_their_prompt_and_a_decode_hi
             assert line["prefix"]["predicted"] == {"prefill": None, "decode": full}
             assert line["prefix"]["actual"] == alone["usage"]["prompt_tokens_details"]["cached_tokens"] >= full - BS
 
+            # Streamed, with usage asked for: the stream's own usage chunk gives the engine's count.
+            streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            async with s.post(url + "/v1/completions", json=streamed) as r:
+                assert r.status == 200 and PREFILL_HEADER not in r.headers
+                events = [line for line in (await r.text()).splitlines() if line.startswith("data: {")]
+            usage = json.loads(events[-1][6:])["usage"]
+            line = json.loads(log.getvalue().splitlines()[-1])
+            assert line["prefix"]["decode_only"]
+            assert line["prefix"]["actual"] == usage["prompt_tokens_details"]["cached_tokens"] >= full - BS
+
             # The same request on the P/D path (the engines that do not hold it) gives the same tokens.
             other = Pair("push", *(next(e for e in emulators if e.args.role == role and e not in (prefill, decode))
                                    for role in ("prefill", "decode")))
@@ -105,10 +115,10 @@ async def test_requests_go_to_the_engines_that_hold_their_prompt_and_a_decode_hi
 
             m = await scrape(s, url)
             assert m[("disagg_router_kv_events_applied_total", ())] > 0
-            assert m[("disagg_router_prefix_requests_total", (("outcome", "preferred"),))] == 2
-            assert m[("disagg_router_decode_only_total", ())] == 1
+            assert m[("disagg_router_prefix_requests_total", (("outcome", "preferred"),))] == 3
+            assert m[("disagg_router_decode_only_total", ())] == 2
             assert m[("disagg_router_prefix_tokenize_seconds_count", ())] == 1  # the token-id prompt asked nothing
-            assert m[("disagg_router_prefix_predicted_cached_tokens_total", (("role", "decode"),))] == 2 * full
+            assert m[("disagg_router_prefix_predicted_cached_tokens_total", (("role", "decode"),))] == 3 * full
 
 
 @pytest.mark.timeout(30)
