@@ -42,8 +42,8 @@ LRU. Between workloads the bench waits until every engine runs and queues nothin
 
 Per request: status, TTFT (send to first streamed token, this client's clock), output tokens, and for our arms from
 the router's access log (joined by X-Request-Id) the predicted cached tokens of the engine that computed the prompt
-and what that engine reported cached (`usage.prompt_tokens_details.cached_tokens`; the router logs no report for a
-streamed answer of decode alone, so there decode's own usage in the stream stands in). Per arm and workload: TTFT
+and what that engine reported cached (`usage.prompt_tokens_details.cached_tokens`, which the requests ask for in the
+stream). Per arm and workload: TTFT
 p50/p99; throughput (output tokens/s and answered requests/s over send-to-last-answer); the router's CPU per request
 from /proc (every thread of its process, and by thread name); for prefix arms the KV events applied (an arm with
 none is invalid and left out of the headline), the tokenize round trips' wall time (the histogram's sum: wall time
@@ -526,8 +526,6 @@ async def segment(session: aiohttp.ClientSession, fleet: Fleet, router: Router, 
     rows = []
     for _, a, waited in sorted(answers, key=lambda x: x[0].idx):
         predicted, actual, alone = prefix_of(records.get(a.request_id or ""))
-        if alone == 1 and actual is None and a.status == 200:
-            actual = a.cached_tokens  # the router logs no report for a streamed decode-only answer: decode's own
         rows.append([round(a.sent - t0, 3), a.status, None if a.ttft is None else round(a.ttft * 1000, 1),
                      round(a.end - t0, 3), a.output_tokens, a.prompt_tokens, predicted, actual, alone,
                      round(waited, 3)])
