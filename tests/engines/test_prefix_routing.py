@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -29,9 +30,26 @@ def prefix_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_d
     pair = Pair("push", vllm_python, model, engine_logs, rendezvous, plugin_dir, name="prefix", kv_events=True,
                 access_log=access_log, router_args=("--policy", "prefix-aware"))
     try:
-        yield pair.start()
+        pair.start()
+        await_following(pair)
+        yield pair
     finally:
         pair.stop()
+
+
+def await_following(pair: Pair, timeout: float = 60) -> None:
+    """Until the router applies events of both engines. A ZMQ subscriber joins its publisher unannounced, and
+    what is published before the join is lost until a later frame shows the gap (then the replay fills it): a
+    request sent the moment the router starts may leave nothing to see. So requests of their own until it does."""
+    url = pair.router.url
+    deadline = time.monotonic() + timeout
+    while metric(url, "disagg_router_kv_frames_total") < 2 or \
+            min(metric(url, "disagg_router_kv_blocks", role=r) for r in ("prefill", "decode")) == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router applied no KV events of both engines in {timeout} s")
+        status, resp = post(url + "/v1/completions", completion(text(2 * BLOCK + 10)))
+        assert status == 200, resp
+        time.sleep(0.5)  # a pace for these warm-up requests, not a wait for a condition
 
 
 def last_record(pair: Pair) -> dict:
@@ -44,7 +62,9 @@ def await_indexed(router_url: str, stored_before: float, blocks: int, timeout: f
     deadline = time.monotonic() + timeout
     while (now := metric(router_url, "disagg_router_kv_blocks_stored_total")) < stored_before + blocks:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the router stored {now - stored_before} of {blocks} blocks in {timeout} s")
+            with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
+                kv = [line for line in r.read().decode().splitlines() if line.startswith("disagg_router_kv_")]
+            raise TimeoutError(f"the router stored {now - stored_before} of {blocks} blocks in {timeout} s: {kv}")
         time.sleep(0.1)
 
 
