@@ -501,10 +501,13 @@ def _lived_through(r: Sent, faults: list[dict[str, Any]]) -> list[str]:
 def _cause(r: Sent) -> str:
     if r.wrong:
         return "wrong answer"
-    text = r.error or ""
-    for cause in ("timeout", "Connect", "Disconnected", "reset", "mid-stream"):
-        if cause.lower() in text.lower():
-            return cause.lower()
+    text = (r.error or "").lower()
+    # "disconnected" before "connect": a server gone mid-request is not a connection that failed to open.
+    for needle, cause in (("timeout", "timeout"), ("disconnected", "disconnected"),
+                          ("payload is not completed", "cut mid-answer"), ("connect", "connect"), ("reset", "reset"),
+                          ("mid-stream", "mid-stream")):
+        if needle in text:
+            return cause
     return f"HTTP {r.status}"
 
 
