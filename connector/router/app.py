@@ -372,7 +372,7 @@ class Router:
         alone = prefer.decode_only(decode.engine_id)
         tl.prefix = Prefix(prefer.prompt_tokens, None if alone else prefer.cached(legs.prefill.engine_id),
                            prefer.cached(decode.engine_id))
-        self.prefix.chosen(prefer, None if alone else legs.prefill.engine_id, decode.engine_id)
+        self.prefix.chosen(prefer, None if alone else legs.prefill, decode)
         if not alone:
             return await self._one(request, endpoint, body, legs, tl)
         tl.prefill = None

@@ -57,8 +57,10 @@ class Preference:
     Invariants: 0 <= `uncached` <= prompt tokens; `cost` is at most the engine's legs in flight plus the role's
     weight; with a prompt of no tokens it is the legs in flight alone."""
 
-    def __init__(self, prompt_tokens: int, cached: Callable[[str], int], weights: Weights) -> None:
-        self.prompt_tokens, self.weights = prompt_tokens, weights
+    def __init__(self, prompt_tokens: int, cached: Callable[[str], int], weights: Weights,
+                 prompt: object = None) -> None:
+        """`prompt`: the caller's handle on the prompt (its block keys), kept for it, opaque here."""
+        self.prompt_tokens, self.weights, self.prompt = prompt_tokens, weights, prompt
         self._lookup = cached
         self._cached: dict[str, int] = {}
 

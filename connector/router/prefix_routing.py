@@ -1,5 +1,6 @@
 """Prefix-aware routing's per-request work: the prompt's token ids from an engine (prompt_tokens.py), then a
-`Preference` (kv_scoring.py) over the router's KV index (kv_index.py), and the metrics of both.
+`Preference` (kv_scoring.py) over the router's KV index (kv_index.py), or, for an engine whose events the index
+does not follow, over what the router sent it lately (kv_recent.py), and the metrics of all that.
 
 A request that cannot be tokenized (no single prompt, no engine answering /tokenize in time, an answer that is not
 token ids) gets no preference and is routed least-loaded, as with the policy off: prefix-awareness may make a
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -19,6 +20,7 @@ from ..wire.advertisement import EngineAdvertisement
 from . import prompt_tokens
 from .engine_pool import EnginePool
 from .kv_index import KvIndex, PromptKeys
+from .kv_recent import RecentChoices
 from .kv_scoring import Preference, Weights
 from .pd_protocol import Endpoint
 
@@ -49,8 +51,10 @@ class PrefixMetrics:
 
 
 class PrefixRouting:
-    def __init__(self, pool: EnginePool, index: KvIndex, weights: Weights, registry: CollectorRegistry) -> None:
-        self.pool, self.index, self.weights = pool, index, weights
+    def __init__(self, pool: EnginePool, index: KvIndex, weights: Weights, registry: CollectorRegistry,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool, self.index, self.weights, self.clock = pool, index, weights, clock
+        self.recent = RecentChoices()
         self.m = PrefixMetrics(registry)
 
     async def preference(self, session: aiohttp.ClientSession, endpoint: Endpoint, body: dict[str, Any],
@@ -70,29 +74,47 @@ class PrefixRouting:
             return None
         self.m.requests.labels(outcome="preferred").inc()
         self.m.prompt_tokens.inc(len(tokens))
-        return Preference(len(tokens), lambda engine_id: self._held(engine_id, keys), self.weights)
+        block_sizes = {e.engine_id: e.block_size for e in self.pool.engines()}
+        return Preference(len(tokens), lambda engine_id: self._held(engine_id, keys, block_sizes), self.weights,
+                          prompt=keys)
 
-    def chosen(self, prefer: Preference, prefill: str | None, decode: str) -> None:
-        """The engines a request went to (`prefill` None: decode alone)."""
+    def chosen(self, prefer: Preference, prefill: EngineAdvertisement | None, decode: EngineAdvertisement) -> None:
+        """The engines a request went to (`prefill` None: decode alone). Those whose events the index does not
+        follow remember the prompt (kv_recent.py)."""
         if prefill is not None:
-            self.m.predicted.labels(role="prefill").inc(prefer.cached(prefill))
-        self.m.predicted.labels(role="decode").inc(prefer.cached(decode))
+            self.m.predicted.labels(role="prefill").inc(prefer.cached(prefill.engine_id))
+        self.m.predicted.labels(role="decode").inc(prefer.cached(decode.engine_id))
         if prefill is None:
             self.m.decode_only.inc()
+        assert isinstance(prefer.prompt, PromptKeys)
+        now = self.clock()
+        for engine in (prefill, decode):
+            if engine is not None and not self._indexed(engine.engine_id):
+                self.recent.record(engine.engine_id, engine.block_size, prefer.prompt, now)
 
     def reported(self, predicted: int, actual: int) -> None:
         """What the engine that computed the prompt said it had cached, against what the index predicted."""
         self.m.actual.labels(kind="actual").inc(actual)
         self.m.actual.labels(kind="predicted").inc(predicted)
 
-    def _held(self, engine_id: str, keys: PromptKeys) -> int:
+    def _held(self, engine_id: str, keys: PromptKeys, block_sizes: dict[str, int]) -> int:
         """The index's prediction for an engine: under its id, or, for an engine of several data-parallel ranks
-        (kv_follow.stream_key), the best of its ranks (vLLM places the request on one of them itself)."""
+        (kv_follow.stream_key), the best of its ranks (vLLM places the request on one of them itself); for an engine
+        the index does not follow, what this router sent it lately (kv_recent.py)."""
         if engine_id in self.index:
             return self.index.matched_tokens(engine_id, keys)
+        ranks = self._ranks(engine_id)
+        if ranks:
+            return max(self.index.matched_tokens(k, keys) for k in ranks)
+        block_size = block_sizes.get(engine_id)
+        return 0 if block_size is None else self.recent.matched_tokens(engine_id, block_size, keys, self.clock())
+
+    def _ranks(self, engine_id: str) -> list[str]:
         prefix = engine_id + "/dp"
-        return max((self.index.matched_tokens(k, keys) for k in self.index.engines() if k.startswith(prefix)),
-                   default=0)
+        return [k for k in self.index.engines() if k.startswith(prefix)]
+
+    def _indexed(self, engine_id: str) -> bool:
+        return engine_id in self.index or bool(self._ranks(engine_id))
 
     async def _tokenize(self, session: aiohttp.ClientSession, ask: dict[str, Any],
                         request_id: str) -> list[int] | None:
