@@ -476,19 +476,24 @@ async def await_recovered_setup(dep: Deployment, args: argparse.Namespace) -> fl
     return time.monotonic() - t0
 
 
+GRACEFUL = ("delete-prefill", "delete-decode", "delete-router", "delete-rendezvous", "delete-operator")
+"""The fault kinds that must lose nothing (issue 34: graceful means lossless)."""
+
+
 def _blame(r: Sent, faults: list[dict[str, Any]]) -> str:
-    """The fault a failed request is charged to: the latest injected fault that began before the request failed
-    (`done`) and whose time, from the fault to its recovery (`end_s`), the request's life overlaps; else the window
-    it was sent in. The latest, not the first: a request that waited through one fault and then failed in the next
-    (a router killed under it) failed of the second."""
+    """The fault a failed request is charged to, among the injected faults that began before it failed (`done`)
+    and whose time, from the fault to its recovery (`end_s`), its life overlaps: the latest that is not graceful
+    (a kill, a partition, a slow link) when there is one, else the latest; with none, the window it was sent in.
+    The latest, not the first: a request that waited through one fault and then failed in the next (a router killed
+    under it) failed of the second. Not graceful first: a graceful stop must lose nothing, so a request that also
+    lived through a kill or a broken link is that fault's (its KV lost to a partition fails it at the registration
+    timeout, after any stop that began meanwhile); `lived_through` keeps every fault for a closer look."""
     end = r.done if r.done is not None else r.at
-    charged = r.window
-    for f in faults:
-        start = f["at_s"]
-        stop = f["end_s"] if f["recovery_s"] is not None else float("inf")
-        if f["injected"] and start <= end and r.at <= stop:
-            charged = str(f["window"])
-    return charged
+    overlapped = [f for f in faults if f["injected"] and f["at_s"] <= end
+                  and r.at <= (f["end_s"] if f["recovery_s"] is not None else float("inf"))]
+    disruptive = [f for f in overlapped if f["kind"] not in GRACEFUL]
+    chosen = disruptive or overlapped
+    return str(chosen[-1]["window"]) if chosen else r.window
 
 
 def _lived_through(r: Sent, faults: list[dict[str, Any]]) -> list[str]:
