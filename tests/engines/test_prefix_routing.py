@@ -7,6 +7,8 @@ renders them (`--kv-events-config`, `--enable-prompt-tokens-details`) and a `--p
   tokenizer, a missing template field) would predict 0.
 - Decode alone: a prompt decode holds enough of skips prefill, and gives the P/D path's greedy tokens; no prefill
   engine sees it, and decode reports the prompt cached.
+- The index follows the engines: a router started after them fills what it missed from each engine's replay, and
+  blocks an engine evicts leave the index (predicted = reported again after eviction).
 Each result counts only with KV events applied, which the router's metrics show."""
 from __future__ import annotations
 
@@ -22,13 +24,17 @@ from support.engines import MAX_TOKENS, metric, post, text_of
 
 pytestmark = pytest.mark.engines
 BLOCK = 128  # the engines' block size (EngineSpec's default, as in every engine test)
+BLOCKS = 64
+"""KV blocks per engine: 8,192 tokens (above a 4,096-token request, as vLLM requires), so that the eviction test
+below fills it with a dozen prompts."""
 
 
 @pytest.fixture(scope="module")
 def prefix_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_dir, tmp_path_factory):
     access_log = tmp_path_factory.mktemp("prefix") / "access.jsonl"
     pair = Pair("push", vllm_python, model, engine_logs, rendezvous, plugin_dir, name="prefix", kv_events=True,
-                access_log=access_log, router_args=("--policy", "prefix-aware"))
+                access_log=access_log, router_args=("--policy", "prefix-aware"), num_blocks=BLOCKS,
+                max_model_len=4096)
     try:
         pair.start()
         await_following(pair)
@@ -144,3 +150,34 @@ def test_a_prompt_decode_holds_skips_prefill_and_gives_the_p_d_paths_tokens(pref
     assert 0 < metric(d.url, "vllm:prompt_tokens_by_source_total", source="local_compute") - computed <= \
         tokens - record["prefix"]["actual"]
     assert metric(url, "disagg_router_decode_only_total") == 1
+
+
+def test_a_router_started_after_its_engines_filled_what_it_missed_from_their_replays(prefix_pair):
+    """The engines published their warm-up requests' blocks before the router subscribed: its first frame from each
+    showed a gap, which the engine's replay filled, with nothing reset."""
+    url = prefix_pair.router.url
+    assert metric(url, "disagg_router_kv_replays_total", outcome="filled") >= 2
+    assert metric(url, "disagg_router_kv_replays_total", outcome="unfilled") == 0
+    assert metric(url, "disagg_router_kv_resets_total") == 0
+
+
+def test_blocks_an_engine_evicts_leave_the_index(prefix_pair):
+    url = prefix_pair.router.url
+    first = text(5 * BLOCK + 20)
+    removed = metric(url, "disagg_router_kv_blocks_removed_total")
+    for prompt in [first] + [text(5 * BLOCK + 20) for _ in range(BLOCKS // 5 + 2)]:  # more blocks than it has
+        status, resp = post(url + "/v1/completions", completion(prompt))
+        assert status == 200, resp
+    # One more prompt, and its blocks in the index: each engine's events apply in order, so everything before them
+    # (the evictions above) has applied too.
+    stored = metric(url, "disagg_router_kv_blocks_stored_total")
+    status, resp = post(url + "/v1/completions", completion(text(2 * BLOCK + 20)))
+    assert status == 200, resp
+    await_indexed(url, stored, 2 * 2)
+    assert metric(url, "disagg_router_kv_blocks_removed_total") > removed
+    # The first prompt's blocks were the least recently used: what the index predicts for it now is what the
+    # prefill engine then reports, whatever eviction left of it.
+    status, resp = post(url + "/v1/completions", completion(first + text(5 * BLOCK)))
+    assert status == 200, resp
+    record = last_record(prefix_pair)
+    assert record["prefix"]["predicted"]["prefill"] == record["prefix"]["actual"] < 5 * BLOCK
