@@ -74,9 +74,7 @@ class PrefixRouting:
             return None
         self.m.requests.labels(outcome="preferred").inc()
         self.m.prompt_tokens.inc(len(tokens))
-        block_sizes = {e.engine_id: e.block_size for e in self.pool.engines()}
-        return Preference(len(tokens), lambda engine_id: self._held(engine_id, keys, block_sizes), self.weights,
-                          prompt=keys)
+        return Preference(len(tokens), lambda engine_id: self._held(engine_id, keys), self.weights, prompt=keys)
 
     def chosen(self, prefer: Preference, prefill: EngineAdvertisement | None, decode: EngineAdvertisement) -> None:
         """The engines a request went to (`prefill` None: decode alone). Those whose events the index does not
@@ -97,7 +95,7 @@ class PrefixRouting:
         self.m.actual.labels(kind="actual").inc(actual)
         self.m.actual.labels(kind="predicted").inc(predicted)
 
-    def _held(self, engine_id: str, keys: PromptKeys, block_sizes: dict[str, int]) -> int:
+    def _held(self, engine_id: str, keys: PromptKeys) -> int:
         """The index's prediction for an engine: under its id, or, for an engine of several data-parallel ranks
         (kv_follow.stream_key), the best of its ranks (vLLM places the request on one of them itself); for an engine
         the index does not follow, what this router sent it lately (kv_recent.py)."""
@@ -106,7 +104,8 @@ class PrefixRouting:
         ranks = self._ranks(engine_id)
         if ranks:
             return max(self.index.matched_tokens(k, keys) for k in ranks)
-        block_size = block_sizes.get(engine_id)
+        # Only engines the index does not follow get here: their block size, from the pool, only then.
+        block_size = next((e.block_size for e in self.pool.engines() if e.engine_id == engine_id), None)
         return 0 if block_size is None else self.recent.matched_tokens(engine_id, block_size, keys, self.clock())
 
     def _ranks(self, engine_id: str) -> list[str]:
