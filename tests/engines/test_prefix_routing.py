@@ -16,6 +16,7 @@ import json
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 
 import pytest
 
@@ -46,16 +47,32 @@ def prefix_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_d
 def await_following(pair: Pair, timeout: float = 60) -> None:
     """Until the router applies events of both engines. A ZMQ subscriber joins its publisher unannounced, and
     what is published before the join is lost until a later frame shows the gap (then the replay fills it): a
-    request sent the moment the router starts may leave nothing to see. So requests of their own until it does."""
+    request sent the moment the router starts may leave nothing to see. So requests of their own until it does,
+    each given a few seconds to show."""
     url = pair.router.url
+
+    def following() -> bool:
+        return metric(url, "disagg_router_kv_frames_total") >= 2 and \
+            min(metric(url, "disagg_router_kv_blocks", role=r) for r in ("prefill", "decode")) > 0
+
     deadline = time.monotonic() + timeout
-    while metric(url, "disagg_router_kv_frames_total") < 2 or \
-            min(metric(url, "disagg_router_kv_blocks", role=r) for r in ("prefill", "decode")) == 0:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the router applied no KV events of both engines in {timeout} s")
+    while time.monotonic() < deadline:
         status, resp = post(url + "/v1/completions", completion(text(2 * BLOCK + 10)))
         assert status == 200, resp
-        time.sleep(0.5)  # a pace for these warm-up requests, not a wait for a condition
+        if polled(following, 3):
+            return
+    raise TimeoutError(f"the router applied no KV events of both engines in {timeout} s")
+
+
+def polled(condition: Callable[[], bool], timeout: float) -> bool:
+    """Whether `condition` holds within `timeout`, read every 0.1 s: another process's metrics have no event to
+    await."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def last_record(pair: Pair) -> dict:
@@ -65,13 +82,11 @@ def last_record(pair: Pair) -> dict:
 
 def await_indexed(router_url: str, stored_before: float, blocks: int, timeout: float = 30) -> None:
     """Until the router has stored `blocks` more blocks from the engines' events (they arrive on their own)."""
-    deadline = time.monotonic() + timeout
-    while (now := metric(router_url, "disagg_router_kv_blocks_stored_total")) < stored_before + blocks:
-        if time.monotonic() > deadline:
-            with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
-                kv = [line for line in r.read().decode().splitlines() if line.startswith("disagg_router_kv_")]
-            raise TimeoutError(f"the router stored {now - stored_before} of {blocks} blocks in {timeout} s: {kv}")
-        time.sleep(0.1)
+    if not polled(lambda: metric(router_url, "disagg_router_kv_blocks_stored_total") >= stored_before + blocks,
+                  timeout):
+        with urllib.request.urlopen(router_url + "/metrics", timeout=5) as r:
+            kv = [line for line in r.read().decode().splitlines() if line.startswith("disagg_router_kv_")]
+        raise TimeoutError(f"the router stored fewer than {blocks} more blocks in {timeout} s: {kv}")
 
 
 def text(n: int) -> str:
