@@ -85,7 +85,7 @@ from typing import Any
 
 import aiohttp
 import result_file
-from pd_client import ALPHABET, percentile_ratio_ci, quantile
+from pd_client import ALPHABET, percentile_ratio_ci, quantile, sse_events
 from pd_serving import VLLM_ROUTER_VERSION, vllm_router_python
 from router_stubs import cpu_seconds
 
@@ -231,25 +231,18 @@ async def complete(session: aiohttp.ClientSession, url: str, prompt: str, max_to
                 if r.status != 200:
                     a.status, a.error = r.status, (await r.text())[:200]
                     return a
-                buf, parts = b"", []
-                async for chunk in r.content.iter_any():
-                    buf += chunk
-                    while b"\n" in buf:
-                        line, buf = buf.split(b"\n", 1)
-                        line = line.strip()
-                        if not line.startswith(b"data:") or line == b"data: [DONE]":
-                            continue
-                        data = json.loads(line[5:])
-                        if "error" in data:
-                            raise RuntimeError(f"error event: {str(data['error'])[:200]}")
-                        if data.get("choices"):
-                            if a.ttft is None:
-                                a.ttft = time.monotonic() - a.sent
-                            parts.append(data["choices"][0].get("text") or "")
-                        if usage := data.get("usage"):
-                            a.output_tokens = usage.get("completion_tokens") or 0
-                            a.prompt_tokens = usage.get("prompt_tokens")
-                            a.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                parts = []
+                async for data in sse_events(r):
+                    if "error" in data:
+                        raise RuntimeError(f"error event: {str(data['error'])[:200]}")
+                    if data.get("choices"):
+                        if a.ttft is None:
+                            a.ttft = time.monotonic() - a.sent
+                        parts.append(data["choices"][0].get("text") or "")
+                    if usage := data.get("usage"):
+                        a.output_tokens = usage.get("completion_tokens") or 0
+                        a.prompt_tokens = usage.get("prompt_tokens")
+                        a.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                 if a.ttft is None:
                     raise RuntimeError("stream ended without a token")
                 a.text, a.status = "".join(parts), 200

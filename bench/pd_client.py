@@ -10,7 +10,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,23 +45,28 @@ def completion_body(prompt: str, max_tokens: int) -> dict:
             "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
-    """First SSE data chunk with a choice = the first token (what the router's TTFT metric also counts)."""
-    buf, chunks, usage = b"", 0, None
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """Each `data:` event of an SSE stream, parsed, as it arrives; `[DONE]` and other lines skipped."""
+    buf = b""
     async for chunk in resp.content.iter_any():
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             line = line.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            data = json.loads(line[5:])
-            if data.get("choices"):
-                if res.ttft is None:
-                    res.ttft = time.monotonic() - res.sent
-                chunks += 1
-            if data.get("usage"):
-                usage = data["usage"].get("completion_tokens")
+            if line.startswith(b"data:") and line != b"data: [DONE]":
+                yield json.loads(line[5:])
+
+
+async def read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:
+    """First SSE data chunk with a choice = the first token (what the router's TTFT metric also counts)."""
+    chunks, usage = 0, None
+    async for data in sse_events(resp):
+        if data.get("choices"):
+            if res.ttft is None:
+                res.ttft = time.monotonic() - res.sent
+            chunks += 1
+        if data.get("usage"):
+            usage = data["usage"].get("completion_tokens")
     if res.ttft is None:
         raise RuntimeError("stream ended without a token")
     res.tokens = usage if isinstance(usage, int) else chunks
