@@ -28,10 +28,23 @@ def deployed_kv(d: Deployed, mode: str):
     return KvMoved(urls["prefill"], urls["decode"], mode)
 
 
+def serving(dinf) -> bool:
+    """Ready on its current spec, and every engine the status counts Ready is advertised too. Ready is about
+    pods: an engine advertises itself only after its own warm-up requests, seconds after its pod is Ready, and
+    the router pairs advertised engines only."""
+    from support.dinf import is_ready
+
+    if not is_ready(dinf):
+        return False
+    revisions = (dinf.status or {}).get("revisions", [])
+    return bool(revisions) and all(r.get(role, {}).get("ready", 0) == r.get(role, {}).get("advertised", 0)
+                                   for r in revisions for role in ("prefill", "decode"))
+
+
 def deploy(cluster, real_node, namespace: str, name: str, mode: str, timeout: float = 420, wait: bool = True,
            **overrides) -> Deployed | None:
     """Apply the tiny-cpu example (as on any cluster, plus the dev engine image's host mounts) with its model
-    volume, and wait until the operator reports it Ready (unless not `wait`). `overrides` replace spec fields,
+    volume, and wait until it is `serving` (unless not `wait`). `overrides` replace spec fields,
     merged over the example's (a role's podTemplate over the host mounts)."""
     from lightkube.resources.core_v1 import Service
 
@@ -39,7 +52,7 @@ def deploy(cluster, real_node, namespace: str, name: str, mode: str, timeout: fl
     from disagg.devcluster.images import engine
     from disagg.devcluster.node import models, workloads
     from disagg.operator import names
-    from support.dinf import Dinf, create, is_ready
+    from support.dinf import Dinf, create
     from support.kube import watch_until
 
     model = tinymodel.model_dir()
@@ -54,7 +67,8 @@ def deploy(cluster, real_node, namespace: str, name: str, mode: str, timeout: fl
     create(cluster, namespace, cr)
     if not wait:
         return None
-    watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=timeout, what="Ready")
+    watch_until(cluster, Dinf, name, serving, namespace=namespace, timeout=timeout,
+                what="Ready with every engine advertised")
     def url(service: str) -> str:
         svc = cluster.client.get(Service, service, namespace=namespace)
         return f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
