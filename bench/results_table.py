@@ -1,8 +1,9 @@
 """The results table: every headline figure in bench/results/, with its interval and the goal it is judged by.
 
-Pure: result files' JSON in, rows and Markdown out (bench/report.py reads the files and writes the README's
-section and the plot). Only per-request figures are rows; the router-histogram handoff ratios that
-pd_serving.json also holds are interpolated within buckets and are left out on purpose.
+Pure: result files' JSON in, rows and Markdown out (bench/report.py reads the files and writes the full table
+into docs/results.md, the HEADLINE rows into the README, and the plot). Only per-request figures are rows; the
+router-histogram handoff ratios that pd_serving.json also holds are interpolated within buckets and are left out
+on purpose.
 
 A goal is met when the point estimate is on its side of the threshold; the interval says how sure that is.
 """
@@ -481,6 +482,34 @@ def rows(results: Results) -> list[Row]:
             raise ValueError(f"{name}: no table rows for benchmark {kind!r} (bench/results_table.py EXTRACTORS)")
         out.extend(EXTRACTORS[kind](name, results[name]))
     return out
+
+
+# -- the README's excerpt -------------------------------------------------------------------------------------------
+HEADLINE: tuple[tuple[str, str], ...] = (
+    ("pd_busy_decode.json", "push / pull TTFT (through our router), p50"),
+    ("pd_busy_decode.json", "push / pull handoff (exact, per request; no router), p50"),
+    ("pd_busy_decode.json", "push / pull TPOT (through our router), p50"),
+    ("pd_serving_router_abba.json", "our router / vllm-router TTFT (pull pair), p50"),
+    ("rollout.json", "failed requests through every rollout and scale"),
+    ("soak.json", "wrong answers"),
+    ("soak.json", "failed requests outside fault windows"),
+    ("abort_storm.json", "push: failed requests nobody aborted"),
+    ("operator_scale.json", "one CR on an idle cluster: create to children exist, p99"),
+    ("operator_scale_1000.json", "all CRs Ready"),
+)
+"""The rows the README shows, as (result file, measure), in its order: push against pull while decode is busy
+(TTFT, the handoff, TPOT), the router against vllm-router, the failure-free rows (rollouts, the soak, client
+aborts) and the operator at 100 and 1,000 CRs, met or not."""
+
+
+def headline(table: list[Row], wanted: tuple[tuple[str, str], ...] = HEADLINE) -> list[Row]:
+    """The `wanted` rows of `table`, in `wanted`'s order. A wanted row the results no longer give is an error, not
+    a row left out: the README must not lose a headline silently when a measure is renamed or a file goes."""
+    by_key = {(r.source, r.measure): r for r in table}
+    missing = [key for key in wanted if key not in by_key]
+    if missing:
+        raise ValueError(f"headline rows not in the results: {missing} (bench/results_table.py HEADLINE)")
+    return [by_key[key] for key in wanted]
 
 
 # -- Markdown ----------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""The engine emulator's benchmark results in the README's table (bench/results_table.py): the fit's goal is a
-ratio within 15% of 1, judged only at rates the real pair sustains, and the saturation throughputs too."""
+"""The engine emulator's benchmark results in the results table (bench/results_table.py, docs/results.md): the
+fit's goal is a ratio within 15% of 1, judged only at rates the real pair sustains, and the saturation throughputs
+too."""
 from __future__ import annotations
 
 import importlib

@@ -1,5 +1,5 @@
-"""The README's performance section is what bench/results/ says (bench/report.py), and the table judges goals
-by the figures, not by hand."""
+"""The generated results sections (the full table in docs/results.md, its headline rows in the README) are what
+bench/results/ says (bench/report.py), and the table judges goals by the figures, not by hand."""
 from __future__ import annotations
 
 import importlib
@@ -16,10 +16,41 @@ def bench(monkeypatch):
     return importlib.import_module("report"), importlib.import_module("results_table")
 
 
-def test_the_readme_section_is_generated_from_the_committed_results(bench):
+@pytest.mark.parametrize("generated", ["README.md", "docs/results.md"])
+def test_each_generated_section_is_what_the_committed_results_say(bench, generated):
     report, _ = bench
-    assert report.current(report.README.read_text()) == report.section(report.load()), \
-        "README.md's performance section drifted from bench/results/: run .venv/bin/python bench/report.py"
+    path = report.ROOT / generated
+    assert path in report.sections(report.load()), f"bench/report.py no longer generates {generated}"
+    assert report.current(path.read_text()) == report.sections(report.load())[path], \
+        f"{generated}'s results section drifted from bench/results/: run .venv/bin/python bench/report.py"
+
+
+def test_a_drifted_or_unmarked_file_is_caught(bench, tmp_path):
+    report, _ = bench
+    fresh, stale, unmarked = (tmp_path / f"{n}.md" for n in ("fresh", "stale", "unmarked"))
+    fresh.write_text(f"intro\n{report.BEGIN}\n| row | 1 |\n{report.END}\n")
+    stale.write_text(f"intro\n{report.BEGIN}\n| row | 2 |\n{report.END}\n")
+    unmarked.write_text("| row | 1 |\n")
+    expected = {p: "| row | 1 |\n" for p in (fresh, stale, unmarked, tmp_path / "missing.md")}
+    assert report.drifted(expected) == [stale, unmarked, tmp_path / "missing.md"]
+
+
+def test_the_readme_shows_headline_rows_of_the_full_table_and_links_to_it(bench):
+    report, table = bench
+    results = report.load()
+    full, excerpt = report.section(results), report.headline_section(results)
+    rows = [line for line in excerpt.splitlines() if line.startswith("| `")]
+    assert len(rows) == len(table.HEADLINE)
+    assert set(rows) <= set(full.splitlines()), "a headline row the full table does not have"
+    assert "[docs/results.md](docs/results.md)" in excerpt
+
+
+def test_a_headline_row_the_results_no_longer_give_is_an_error(bench):
+    report, table = bench
+    rows = table.rows(report.load())
+    assert table.headline(rows) == [next(r for r in rows if (r.source, r.measure) == key) for key in table.HEADLINE]
+    with pytest.raises(ValueError, match="headline rows not in the results"):
+        table.headline([r for r in rows if r.source != "soak.json"])
 
 
 def rollout_result(failed: int) -> dict:
