@@ -812,7 +812,7 @@ async def mono_phase(ph: Phase, cfg: Config, wanted: list[str]) -> tuple[list[Ar
 
 # -- report ----------------------------------------------------------------------------------------------------
 def table(arms: dict[str, ArmResult]) -> list[dict]:
-    """One compact row per arm and cell: what the README and the plot show."""
+    """One compact row per arm and cell: what the results table and the plot show."""
     rows = []
     for name, a in arms.items():
         for c in a.cells:

@@ -1,11 +1,11 @@
 """Accelerator profiles: what one node of each supported instance type offers, and what an engine pod on it
 needs. Data, not logic; the CRD's CEL rules and the pod builders both read it.
 
-Security choice per profile (documented in the README): NVIDIA profiles run the engine `privileged`, because
-registering GPU memory with the EFA NIC (`fi_mr_reg` over dmabuf/peer-memory) needs more than IPC_LOCK on
-stock EKS AMIs (NVIDIA Dynamo's EFA guide). Trainium profiles use IPC_LOCK only: the Neuron driver exposes
-its devices through the device plugin and libfabric only needs to pin host memory. The cpu profile adds no
-capability: UCX over TCP and shared memory pins nothing, and Pod Security `baseline` (kind, minikube, CI
+Security choice per profile (documented in docs/operating/security.md): NVIDIA profiles run the engine
+`privileged`, because registering GPU memory with the EFA NIC (`fi_mr_reg` over dmabuf/peer-memory) needs more
+than IPC_LOCK on stock EKS AMIs (NVIDIA Dynamo's EFA guide). Trainium profiles use IPC_LOCK only: the Neuron
+driver exposes its devices through the device plugin and libfabric only needs to pin host memory. The cpu profile
+adds no capability: UCX over TCP and shared memory pins nothing, and Pod Security `baseline` (kind, minikube, CI
 clusters) refuses IPC_LOCK.
 """
 from __future__ import annotations
