@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -48,11 +49,29 @@ class ComponentFailed(RuntimeError):
         self.component, self.log = component, log
 
 
+LISTEN_PORTS = range(20000, 30000)
+"""Where free_port looks: below the kernel's ephemeral range (32768 and up by default), so an outgoing
+connection's local port never takes a port between free_port's check and the child's bind, and below the NodePort
+range (30000-32767)."""
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
+    """A port nothing listens on now, in LISTEN_PORTS, and not handed out by this process before: each child binds
+    its own, after this returns, so two asking in turn must not get the same."""
+    start = random.randrange(len(LISTEN_PORTS))
+    for i in range(len(LISTEN_PORTS)):
+        port = LISTEN_PORTS[(start + i) % len(LISTEN_PORTS)]
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
         return port
+    raise OSError(f"no free port in {LISTEN_PORTS}")
 
 
 def host_address() -> str:
