@@ -3,21 +3,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-from disagg.devcluster.cluster import die_with_parent
+from disagg.devcluster.cluster import die_with_parent, free_port
 from support.metrics import scrape
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class OperatorProcess:
@@ -29,7 +22,7 @@ class OperatorProcess:
         self.metrics_port = self.health_port = 0
 
     def start(self, timeout: float = 60) -> OperatorProcess:
-        self.metrics_port, self.health_port = _free_port(), _free_port()
+        self.metrics_port, self.health_port = free_port(), free_port()
         cmd = [str(Path(sys.executable).parent / "disagg"), "operator", "--metrics-port", str(self.metrics_port),
                "--liveness", f"http://127.0.0.1:{self.health_port}/healthz",
                "--resync-seconds", str(self.resync), *self.extra]
