@@ -406,6 +406,8 @@ def _emulator_footprint(name: str, d: dict[str, Any]) -> Iterator[Row]:
               None, None, n)
     yield Row("emulator_footprint", "emulator CPU busy, mean", h["busy_millicores"]["mean"], "millicores", name,
               None, None, f"{n}, {cfg.get('rate_per_pair')} req/s per pair")
+    yield Row("emulator_footprint", "requests failed while busy", h["busy_failed"], "", name, None,
+              Goal("==", 0, "issue 35"), f"of {h['busy_requests']}")
 
 
 def _overload(name: str, d: dict[str, Any]) -> Iterator[Row]:
