@@ -464,13 +464,43 @@ def _kv_routing(name: str, d: dict[str, Any]) -> Iterator[Row]:
                   _ci(g.get("ci90")), Goal(g["op"], g["threshold"], "issue 36"), n)
 
 
+def _autoscale(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """Autoscaling on a trace (issue 35): per arm, pooled over its rounds, the goals bench/autoscale.py states; the
+    planner is held to them, the other arms are its reference."""
+    h = d["headline"]
+    for arm in ("planner", "keda", "static"):
+        a = h.get(arm)
+        if not a:
+            continue
+        judged = arm == "planner"
+        n = f"{len(a['slo_attainment'])} round(s)"
+        slo = [x for x in a["slo_attainment"] if x is not None]
+        yield Row("autoscale", f"{arm}: SLO attainment outside engine starts, worst round", min(slo) if slo else None,
+                  "", name, None, Goal(">=", 0.99, "issue 35") if judged else None, f"{n}; per round {slo}")
+        yield Row("autoscale", f"{arm}: failed requests", a["failed"], "", name, None,
+                  Goal("==", 0, "issue 35") if judged else None, n)
+        if arm != "static":
+            reaction = [x for x in a["reaction_s"] if x is not None]
+            yield Row("autoscale", f"{arm}: step to the first rise of a desired count, slowest round",
+                      max(reaction) if reaction else None, "s", name, None,
+                      Goal("<=", 30, "issue 35") if judged else None, f"{n}; per round {a['reaction_s']}")
+            actions = [v for per in a["actions_per_role_per_10min"] for v in per.values() if v is not None]
+            yield Row("autoscale", f"{arm}: scaling actions per role per 10 min at steady load, most",
+                      max(actions) if actions else None, "", name, None,
+                      Goal("<=", 1, "issue 35") if judged else None, n)
+    for arm in ("planner", "keda"):
+        if (ratio := h.get(f"{arm}_over_static_replica_seconds")) is not None:
+            yield Row("autoscale", f"{arm} / static fleet sized for the peak: replica-seconds", ratio, "x", name,
+                      None, Goal("<=", 0.6, "issue 35") if arm == "planner" else None, "the same trace")
+
+
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
     "emulator_fit": _emulator_fit, "emulator_calibration": _emulator_calibration,
     "emulator_footprint": _emulator_footprint,
     "pd_serving": _pd_serving, "cold_pair": _cold_pair, "cluster_path": _cluster_path,
     "operator_scale": _operator_scale, "rollout": _rollout, "capacity": _capacity, "router_stubs": _router_stubs,
     "kv_write": _kv_write, "abort_storm": _abort_storm, "soak": _soak, "overload": _overload,
-    "kv_routing": _kv_routing,
+    "kv_routing": _kv_routing, "autoscale": _autoscale,
 }
 
 
