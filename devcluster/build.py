@@ -27,9 +27,11 @@ RUNC_VERSION = "v1.5.3"
 CNI_PLUGINS_VERSION = "v1.10.0"
 COREDNS_VERSION = "v1.15.0"
 BUILDKIT_VERSION = "v0.34.2"
+KEDA_VERSION = "v2.21.0"  # devcluster/gobuild-keda/go.mod requires it
 
 GOBUILD_DIR = Path(__file__).resolve().parent / "gobuild"
 BUILDKIT_DIR = Path(__file__).resolve().parent / "gobuild-buildkit"
+KEDA_DIR = Path(__file__).resolve().parent / "gobuild-keda"
 
 
 def cache_dir() -> Path:
@@ -111,6 +113,15 @@ def node_binaries() -> list[Binary]:
         Binary("buildkitd", "github.com/moby/buildkit/cmd/buildkitd", wrapper=BUILDKIT_DIR),
         Binary("buildctl", "github.com/moby/buildkit/cmd/buildctl", wrapper=BUILDKIT_DIR),
     ]
+
+
+def addon_binaries() -> list[Binary]:
+    """Built only when named (`disagg cluster build keda-operator keda-adapter`, or a test that runs them): what
+    a user may run beside the product, not what the control plane needs."""
+    keda = "github.com/kedacore/keda/v2"
+    ld = f"-s -w -X {keda}/version.Version={KEDA_VERSION.lstrip('v')}"
+    return [Binary("keda-operator", f"{keda}/cmd/operator", ld, wrapper=KEDA_DIR),
+            Binary("keda-adapter", f"{keda}/cmd/adapter", ld, wrapper=KEDA_DIR)]
 
 
 def _go_version() -> str:
@@ -199,7 +210,10 @@ def ensure_built(names: list[str] | None = None, quiet: bool = False) -> Path:
         raise SystemExit("go is not on PATH: the local control plane is built from Go modules")
     bin_dir().mkdir(parents=True, exist_ok=True)
     go_version = _go_version()
-    wanted = [b for b in binaries() if names is None or b.name in names]
+    wanted = binaries() if names is None else [b for b in binaries() + addon_binaries() if b.name in names]
+    unknown = set(names or ()) - {b.name for b in wanted}
+    if unknown:
+        raise SystemExit(f"no such binary: {', '.join(sorted(unknown))}")
     stale = [b for b in wanted if not is_current(b, go_version)]
     if not stale:
         if not quiet:
@@ -214,7 +228,8 @@ def ensure_built(names: list[str] | None = None, quiet: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="disagg cluster build", description=__doc__)
-    p.add_argument("names", nargs="*", help="binaries to build (default: all)")
+    p.add_argument("names", nargs="*", help="binaries to build (default: the control plane's and the real node's; "
+                   "KEDA's, keda-operator and keda-adapter, only when named)")
     args = p.parse_args(argv)
     ensure_built(args.names or None)
 

@@ -251,8 +251,8 @@ class LocalCluster:
         return [p.popen.pid for p in self.processes if p.popen is not None]
 
     # -- components --------------------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str]) -> Process:
-        p = Process(name, argv, self.dir / "logs" / f"{name}.log")
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
+        p = Process(name, argv, self.dir / "logs" / f"{name}.log", env=env)
         p.start()
         self.processes.append(p)
         return p
@@ -295,6 +295,7 @@ class LocalCluster:
         progress(f"starting kube-apiserver on {self.server}")
         c = self.creds
         kubelet_client = self._kubelet_client_pair()
+        front_proxy = issue(c, "front-proxy-client", "front-proxy-client")
         p = self._spawn("kube-apiserver", [
             str(self.bin / "kube-apiserver"),
             # On every address, advertising the host's: a real node's pods reach it through the `kubernetes`
@@ -313,10 +314,50 @@ class LocalCluster:
             # EFA pods need privileged or IPC_LOCK; the apiserver must allow the former to test it.
             "--allow-privileged=true",
             f"--cert-dir={self.dir / 'apiserver-certs'}",
+            # The aggregation layer, as kubeadm sets it up (one CA here): extension API servers such as KEDA's
+            # external-metrics adapter trust the proxied identity headers of the front-proxy client only. Routed
+            # to the Service's endpoints, not its ClusterIP: this host is no node, it has no kube-proxy rules.
+            f"--requestheader-client-ca-file={c.ca_cert}", "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User", "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-", f"--proxy-client-cert-file={front_proxy.cert}",
+            f"--proxy-client-key-file={front_proxy.key}", "--enable-aggregator-routing=true",
             f"--profiling={str(self.config.profiling).lower()}", "--v=1",
             *self._audit_flags(),
         ])
         self._await(p, lambda: self._get(f"{self.server}/readyz", c.admin_token, self._tls()) == b"ok", "ready")
+
+    def start_keda(self, progress: Callable[[str], None] = lambda _m: None) -> list[Process]:
+        """KEDA's operator and external-metrics adapter as host processes that stop with the cluster, or before
+        it by their `stop()` (devcluster/keda.py); returns them once `external.metrics.k8s.io` answers through the
+        apiserver."""
+        from . import keda
+
+        assert self.creds is not None
+        creds = self.creds
+        bins = build.ensure_built(["keda-operator", "keda-adapter"], quiet=True)
+        certs = self.dir / "keda-certs"
+        certs.mkdir(exist_ok=True)
+        pair = issue(creds, "keda", "keda", dns_names=keda.serving_names(), ips=("127.0.0.1", self.host_ip))
+        shutil.copy(pair.cert, certs / "tls.crt")
+        shutil.copy(pair.key, certs / "tls.key")
+        shutil.copy(creds.ca_cert, certs / "ca.crt")
+        (certs / "ca").mkdir(exist_ok=True)
+        shutil.copy(creds.ca_cert, certs / "ca" / "ca.crt")
+        ports = keda.Ports(*(free_port() for _ in range(5)))
+        client = self.client()
+        progress(f"installing KEDA {build.KEDA_VERSION}'s CRDs and its external metrics APIService")
+        for doc in keda.crds(keda.module_dir()) + keda.api_objects(self.host_ip, ports, creds.ca_cert.read_bytes()):
+            client.apply(codecs.from_dict(doc), field_manager="disagg-devcluster")
+        env = {**os.environ, **keda.env(self.kubeconfig)}
+        op = self._spawn("keda-operator", keda.operator_argv(bins / "keda-operator", certs, ports), env=env)
+        self._await(op, lambda: self._get(f"http://127.0.0.1:{ports.operator_health}/readyz") == b"ok", "ready")
+        adapter = self._spawn("keda-adapter", keda.adapter_argv(bins / "keda-adapter", certs, self.kubeconfig,
+                                                                ports), env=env)
+        self._await(adapter, lambda: bool(self._get(f"{self.server}/apis/external.metrics.k8s.io/v1beta1",
+                                                    creds.admin_token, self._tls())),
+                    "serving external.metrics.k8s.io through the apiserver")
+        progress("KEDA is up")
+        return [adapter, op]
 
     def _kubelet_client_pair(self) -> KeyPair:
         return issue(self.credentials, "apiserver-kubelet-client", "kube-apiserver-kubelet-client")
