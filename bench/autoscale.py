@@ -23,13 +23,18 @@ Per arm, headline:
 - reaction: seconds from the step's start to the first rise of a desired count (goal <= 30 s);
 - actions per role per 10 minutes in the steady part of flat phases (after --settle-s; goal <= 1);
 - failed requests (goal 0).
-Arms alternate (ABBA over --rounds), each on a fresh deployment.
+Arms alternate (ABBA over --rounds), each on a fresh deployment. `--arms` adds the issue's third arm, `keda`: a
+conventional autoscaler on one queue metric per role, as a user who already runs KEDA would set it up. The CR
+has no spec.autoscaling and starts at 1P1D; one ScaledObject per role (KEDA built from Go modules and run beside
+the control plane, devcluster/keda.py) reads `vllm:num_requests_waiting` from every engine of the role (KEDA's
+metrics-api scaler over the role's headless Service's endpoints, summed) and asks for one engine per
+--keda-waiting requests waiting, within 1 and --max, with KEDA's and the HPA's default polling and stabilization.
 
   flock /tmp/disagg-engines.lock .venv/bin/python bench/autoscale.py --rounds 2     # about 80 minutes
 Writes bench/results/autoscale.json. `--quick` shortens every phase to check the harness.
 
 Not run yet: the trace's rates and the per-engine throughputs are estimates from the cpu-kv64k profile, to be
-checked with `--quick` first; the issue's third arm (an HPA or KEDA on one queue metric per role) comes with KEDA.
+checked with `--quick` first.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from typing import Any
 import aiohttp
 import result_file
 from lightkube import codecs
+from lightkube.generic_resource import create_namespaced_resource
 from pd_client import dist
 
 from disagg.devcluster import demo, demo_node, tinymodel
@@ -57,6 +63,8 @@ from disagg.operator.bindings import DinfResource
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 NAMESPACE = demo_node.NAMESPACE
+ENGINE_PORT = 8000  # spec.engine.port's default, which the CRs here keep
+ScaledObject = create_namespaced_resource("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects")
 ROLES = ("prefill", "decode")
 
 
@@ -179,10 +187,30 @@ def cr(arm: str, args: argparse.Namespace) -> dict[str, Any]:
             "prefill": {"minReplicas": 1, "maxReplicas": args.max, "inputTokensPerSecond": args.prefill_tps},
             "decode": {"minReplicas": 1, "maxReplicas": args.max, "outputTokensPerSecond": args.decode_tps},
             "slo": {"percentile": 90, "ttftMilliseconds": args.ttft_ms, "tpotMilliseconds": args.tpot_ms}}
+    elif arm == "keda":
+        spec["prefill"], spec["decode"] = {"replicas": 1}, {"replicas": 1}
     else:
         spec["prefill"], spec["decode"] = {"replicas": args.static[0]}, {"replicas": args.static[1]}
     return {"apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference",
             "metadata": {"name": arm, "namespace": NAMESPACE}, "spec": spec}
+
+
+def scaled_objects(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The keda arm's autoscaler: per role, engines = ceil(requests waiting over the role's engines / target)."""
+    out = []
+    for role in ROLES:
+        url = f"http://{names.engine_name(name, role)}.{NAMESPACE}.svc:{ENGINE_PORT}/metrics"
+        out.append({
+            "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+            "metadata": {"name": f"{name}-{role}", "namespace": NAMESPACE},
+            "spec": {"scaleTargetRef": {"apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedRole",
+                                        "name": names.role_object_name(name, role)},
+                     "minReplicaCount": 1, "maxReplicaCount": args.max,
+                     "triggers": [{"type": "metrics-api", "metricType": "AverageValue", "metadata": {
+                         "url": url, "format": "prometheus", "valueLocation": "vllm:num_requests_waiting",
+                         "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
+                         "targetValue": str(args.keda_waiting)}}]}})
+    return out
 
 
 async def run_arm(c: LocalCluster, arm: str, args: argparse.Namespace, phases: list[Phase]) -> dict[str, Any]:
@@ -191,6 +219,9 @@ async def run_arm(c: LocalCluster, arm: str, args: argparse.Namespace, phases: l
     client.create(codecs.from_dict(obj))
     log(f"{arm}: applied; awaiting Ready")
     await await_ready(client, arm)
+    autoscalers = scaled_objects(arm, args) if arm == "keda" else []
+    for so in autoscalers:
+        client.create(codecs.from_dict(so))
     url = demo_node.service_url(client, names.router_name(arm))
     text = tinymodel.corpus() * 4
     rng = random.Random(args.seed)
@@ -220,6 +251,8 @@ async def run_arm(c: LocalCluster, arm: str, args: argparse.Namespace, phases: l
         await asyncio.gather(*tasks)
     stop.set()
     await sampler
+    for so in autoscalers:
+        client.delete(ScaledObject, so["metadata"]["name"], namespace=NAMESPACE)
     client.delete(DinfResource, arm, namespace=NAMESPACE)
     await await_gone(client, arm)
     return {"arm": arm, "cr": obj["spec"], "requests": [asdict(r) for r in sent], "samples": samples}
@@ -313,12 +346,14 @@ def summarize(arm: dict[str, Any], phases: list[Phase], args: argparse.Namespace
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     made = result_file.provenance()
     phases = trace(args)
-    order = [a for i in range(args.rounds) for a in (("planner", "static") if i % 2 == 0 else ("static", "planner"))]
+    order = [a for i in range(args.rounds) for a in (args.arms if i % 2 == 0 else args.arms[::-1])]
     c = LocalCluster(ClusterConfig(name="bench-autoscale", real_node=True))
     c.start(progress=lambda m: log(f"  {m}"))
     arms: list[dict[str, Any]] = []
     try:
         assert c.node is not None
+        if "keda" in order:
+            c.start_keda(progress=lambda m: log(f"  {m}"))
         demo._helm_install(c, c.node.images["disagg"])
         demo_node.prepare(c, c.node.spec.name)
         for i, arm in enumerate(order):
@@ -344,12 +379,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for arm, rows in by_arm.items()}
     if planner_rs and static_rs:
         headline["planner_over_static_replica_seconds"] = round(sum(planner_rs) / sum(static_rs), 3)
+    keda_rs = [s["replica_seconds"] for s in by_arm.get("keda", [])]
+    if keda_rs and static_rs:
+        headline["keda_over_static_replica_seconds"] = round(sum(keda_rs) / sum(static_rs), 3)
     return {**made, "benchmark": "autoscale", "issue": 35, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
             "config": {"phases": [asdict(p) for p in phases], "order": order, "seed": args.seed, "max": args.max,
                        "static": args.static, "prefill_tps": args.prefill_tps, "decode_tps": args.decode_tps,
                        "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "percentile": 90},
-                       "settle_s": args.settle_s,
+                       "settle_s": args.settle_s, "keda_waiting": args.keda_waiting,
                        "deployment": "cpu-kv64k engine emulators on the real node, push, 1 router"},
             "headline": headline, "arms": arms}
 
@@ -371,7 +409,12 @@ def main() -> int:
     p.add_argument("--ttft-ms", type=int, default=10000)
     p.add_argument("--tpot-ms", type=int, default=200)
     p.add_argument("--settle-s", type=float, default=120, help="seconds into a flat phase before it counts as steady")
-    p.add_argument("--rounds", type=int, default=2, help="ABBA: round 1 is planner, static; round 2 static, planner")
+    p.add_argument("--arms", type=lambda s: tuple(s.split(",")), default=("planner", "static"),
+                   help="arms in round 1's order (later rounds alternate it): planner, static, keda")
+    p.add_argument("--keda-waiting", type=float, default=2.0,
+                   help="the keda arm's target: requests waiting per engine of a role")
+    p.add_argument("--rounds", type=int, default=2, help="ABBA: each round runs the arms in the reverse order of the "
+                   "round before")
     p.add_argument("--seed", type=int, default=35)
     p.add_argument("--quick", action="store_true", help="every phase 60 s, one round")
     p.add_argument("--out", type=Path, default=RESULTS / "autoscale.json")
