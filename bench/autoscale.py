@@ -31,7 +31,8 @@ metrics-api scaler over the role's headless Service's endpoints, summed) and ask
 --keda-waiting requests waiting, within 1 and --max, with KEDA's and the HPA's default polling and stabilization.
 
   flock /tmp/disagg-engines.lock .venv/bin/python bench/autoscale.py --rounds 2     # about 80 minutes
-Writes bench/results/autoscale.json. `--quick` shortens every phase to check the harness.
+Writes bench/results/autoscale.json and its plot, autoscale.png (bench/plot_autoscale.py: per arm, load and engine
+pods over the trace, and TTFT). `--quick` shortens every phase to check the harness.
 
 Not run yet: the trace's rates and the per-engine throughputs are estimates from the cpu-kv64k profile, to be
 checked with `--quick` first.
@@ -43,6 +44,7 @@ import asyncio
 import json
 import math
 import random
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -245,7 +247,7 @@ async def run_arm(c: LocalCluster, arm: str, args: argparse.Namespace, phases: l
             if at >= next_log:
                 last = samples[-1] if samples else {}
                 log(f"  {arm}: {at:.0f}/{total:.0f} s, phase {phase.name}, {len(sent)} sent, "
-                    f"{sum(x.status not in (0, 200) or (x.status == 0 and x.error) for x in sent)} failed, "
+                    f"{sum(x.status not in (0, 200) or bool(x.status == 0 and x.error) for x in sent)} failed, "
                     f"P {last.get('prefill_desired')} D {last.get('decode_desired')}")
                 next_log += 60.0
         await asyncio.gather(*tasks)
@@ -426,6 +428,11 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(result_file.dumps(result) + "\n")
     print(json.dumps(result["headline"], indent=1))
+    from pd_serving import bench_python
+
+    png = args.out.with_suffix(".png")
+    subprocess.run([str(bench_python()), str(HERE / "plot_autoscale.py"), str(args.out), str(png)], check=True)
+    log(f"wrote {args.out} and {png}")
     return 0
 
 
