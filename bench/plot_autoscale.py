@@ -43,7 +43,8 @@ def main(src: str, dst: str) -> None:
         firsts.setdefault(arm["arm"], arm)
     slo_ms = result["config"]["slo"]["ttft_ms"]
     phases = result["config"]["phases"]
-    fig, axes = plt.subplots(2, len(firsts), figsize=(6 * len(firsts), 8), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(2, len(firsts), figsize=(7 * len(firsts), 8), sharex=True, squeeze=False,
+                             layout="constrained")
     for col, (name, arm) in enumerate(firsts.items()):
         samples = arm["samples"]
         end = max([s["s"] for s in samples] + [r["at"] for r in arm["requests"]])
@@ -51,6 +52,7 @@ def main(src: str, dst: str) -> None:
         top, bottom = axes[0][col], axes[1][col]
         top.step(mids, rate, where="mid", color="#969696", label="offered req/s")
         top.set_ylabel("requests/s sent")
+        top.set_ylim(0, max(rate + [0.1]) * 1.3)
         pods = top.twinx()
         for role, color in ROLE_COLORS.items():
             pods.step([s["s"] for s in samples], [s[f"{role}_pods"] for s in samples], where="post", color=color,
@@ -72,9 +74,9 @@ def main(src: str, dst: str) -> None:
         for p in phases:
             for ax in (top, bottom):
                 ax.axvline(start, color="#d9d9d9", linewidth=0.8)
-            top.text(start + 2, 0, p["name"], fontsize=8, color="#737373", va="bottom")
+            top.text(start + 2, 0.01, p["name"], fontsize=8, color="#737373", va="bottom",
+                     transform=top.get_xaxis_transform())
             start += p["seconds"]
-    fig.tight_layout()
     fig.savefig(dst, dpi=100)
 
 
