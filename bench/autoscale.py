@@ -276,7 +276,7 @@ async def await_gone(client: Any, name: str, timeout: float = 300) -> None:
     from lightkube.resources.core_v1 import Pod
 
     t0 = time.monotonic()
-    while client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name}):
+    while list(client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name})):
         if time.monotonic() - t0 > timeout:
             raise TimeoutError(f"{name}'s pods not gone in {timeout:g} s")
         await asyncio.sleep(2)
