@@ -17,6 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 BIN_S = 10.0
 ROLE_COLORS = {"prefill": "#08519c", "decode": "#d94801"}
+ROLE_STYLES = {"prefill": {"linestyle": "--", "linewidth": 2.0}, "decode": {"linestyle": "-", "linewidth": 1.2}}
+"""Prefill dashed and wider: the two roles often have the same count, and one line would hide the other."""
 
 
 def binned(requests: list[dict], end: float) -> tuple[list[float], list[float], list[float | None], list[float | None]]:
@@ -56,7 +58,7 @@ def main(src: str, dst: str) -> None:
         pods = top.twinx()
         for role, color in ROLE_COLORS.items():
             pods.step([s["s"] for s in samples], [s[f"{role}_pods"] for s in samples], where="post", color=color,
-                      label=f"{role} pods")
+                      label=f"{role} pods", **ROLE_STYLES[role])
         pods.set_ylabel("engine pods")
         pods.set_ylim(0, max([s[f"{r}_pods"] for s in samples for r in ROLE_COLORS] + [1]) + 1)
         top.set_title(f"{name}: {arm['summary']['replica_seconds']} replica-s, "
