@@ -359,6 +359,17 @@ class LocalCluster:
         progress("KEDA is up")
         return [adapter, op]
 
+    def stop_keda(self, processes: list[Process]) -> None:
+        """Stop what start_keda started and withdraw its APIService: an aggregated API whose server is gone makes
+        every client's discovery incomplete (helm refuses to install with it), so the cluster must not keep one."""
+        from lightkube.resources.apiregistration_v1 import APIService
+
+        from . import keda
+
+        for p in processes:
+            p.stop()
+        self.client().delete(APIService, keda.API_SERVICE)
+
     def _kubelet_client_pair(self) -> KeyPair:
         return issue(self.credentials, "apiserver-kubelet-client", "kube-apiserver-kubelet-client")
 

@@ -25,6 +25,7 @@ from lightkube.resources.core_v1 import Event, Service
 from disagg.operator import names
 from support.dinf import Dinf, create
 from support.kube import watch_until
+from support.tools import kubectl
 from support.traffic import Stream, settled
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
@@ -45,8 +46,9 @@ AUTOSCALING = {
 def keda(cluster, real_node):
     procs = cluster.local.start_keda(progress=lambda m: print(m, file=sys.stderr, flush=True))
     yield
-    for p in procs:
-        p.stop()
+    cluster.local.stop_keda(procs)
+    # Later modules install and upgrade with helm, whose discovery fails on an aggregated API nobody serves.
+    assert "external.metrics.k8s.io/v1beta1" not in kubectl("api-versions", cluster=cluster).stdout
 
 
 def scaled_object(namespace: str, cr: str, role: str, metrics_url: str) -> dict:
@@ -84,7 +86,12 @@ def keda_driven(cluster, real_node, operator_release, keda, module_namespace):
     for role in MAX:
         cluster.client.create(codecs.from_dict(scaled_object(module_namespace, name, role, url)))
     router = cluster.client.get(Service, names.router_name(name), namespace=module_namespace)
-    return name, f"http://{router.spec.clusterIP}:{router.spec.ports[0].port}"
+    yield name, f"http://{router.spec.clusterIP}:{router.spec.ports[0].port}"
+    # While KEDA runs: it holds a finalizer on each ScaledObject, which would keep the namespace from going.
+    for role in MAX:
+        cluster.client.delete(ScaledObject, f"{name}-{role}", namespace=module_namespace)
+        watch_until(cluster, ScaledObject, f"{name}-{role}", lambda _so: False, namespace=module_namespace,
+                    timeout=60, what="deleted", gone_ok=True)
 
 
 def _ready(so) -> bool:
