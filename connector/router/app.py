@@ -429,9 +429,7 @@ class Router:
         except ValueError as e:  # prefill answered without usable transfer params
             raise UpstreamFailed("prefill", prefill.engine_id, "protocol", str(e)) from e
         finally:
-            for task in (prefill_task, decode_task):
-                if task is not None and not task.done():
-                    task.cancel()  # closing the upstream connection aborts the request in vLLM
+            _settle(prefill_task, decode_task)
             if decode_task is not None and decode_task.done() and not decode_task.cancelled() \
                     and decode_task.exception() is None and not decode_task.result().closed and not relayed:
                 # Decode answered (its stream is open, waiting for KV) but the request ends before its relay (the
@@ -696,6 +694,19 @@ def _json_or_text(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+
+
+def _settle(*tasks: asyncio.Task[Any] | None) -> None:
+    """An attempt's leg tasks at its end: cancel the ones still running (closing the upstream connection aborts
+    the request in vLLM), and retrieve the outcome of the ones that ended, which the attempt may not have awaited
+    (the client went away as a leg failed): asyncio logs an exception nobody retrieved as an error."""
+    for task in tasks:
+        if task is None:
+            continue
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()
 
 
 async def _unless_gone(task: asyncio.Future[T], gone: asyncio.Future[None], prefill: EngineAdvertisement,

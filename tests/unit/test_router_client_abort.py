@@ -37,3 +37,38 @@ async def test_a_client_gone_during_prefill_aborts_both_legs_at_once(stream):
             await decode.wait_for(lambda: leg.request_id in decode.cancelled)
             await prefill.wait_for(lambda: leg.request_id in prefill.cancelled)
             prefill_may_answer.set()
+
+
+async def test_a_leg_that_failed_as_its_attempt_ended_leaves_no_unretrieved_exception():
+    """The client goes away in the same instant a leg fails (both at a 60 s timeout, under load): the attempt
+    ends without awaiting that leg. Its exception must be retrieved at the attempt's end, or asyncio logs "Task
+    exception was never retrieved" as an error for a request that was already accounted for."""
+    import gc
+
+    from disagg.connector.router.app import _settle
+
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict] = []
+    loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx))
+
+    async def fails() -> None:
+        raise aiohttp.ServerTimeoutError("Timeout on reading data from socket")
+
+    async def runs() -> None:
+        await asyncio.Event().wait()
+
+    for settle in (False, True):  # without _settle, the case it guards against: one error logged
+        failed, running = loop.create_task(fails()), loop.create_task(runs())
+        await asyncio.sleep(0)  # both start; `failed` ends with its exception, nobody awaiting it
+        assert failed.done() and not running.done()
+        if settle:
+            _settle(failed, None, running)
+            await asyncio.sleep(0)
+            assert running.cancelled()
+        else:
+            running.cancel()
+        del failed, running
+        gc.collect()
+        await asyncio.sleep(0)
+        assert len(unretrieved) == (0 if settle else 1), unretrieved
+        unretrieved.clear()
