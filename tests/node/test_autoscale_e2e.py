@@ -15,13 +15,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from lightkube.resources.core_v1 import Pod, Service
+from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
 from disagg.operator import names
-from support.dinf import Dinf, create
+from support.dinf import Dinf
 from support.kube import watch_until
-from support.traffic import Stream, settled
+from support.traffic import Stream, emulated_autoscaled, settled
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 
@@ -37,15 +37,7 @@ AUTOSCALING = {
 
 @pytest.fixture(scope="module")
 def autoscaled(cluster, real_node, operator_release, module_namespace):
-    name = create(cluster, module_namespace, {
-        "apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference",
-        "metadata": {"name": "autoscaled"},
-        "spec": {"model": {"name": "tiny"}, "accelerator": {"profile": "cpu"},
-                 "engine": {"emulator": {"profile": "cpu-kv64k"}}, "kvTransfer": {"mode": "push"},
-                 "router": {"pairWaitSeconds": 150}, "autoscaling": AUTOSCALING}})
-    watch_until(cluster, Dinf, name, settled(1, 1), namespace=module_namespace, timeout=300, what="settled at 1P1D")
-    svc = cluster.client.get(Service, names.router_name(name), namespace=module_namespace)
-    return name, f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
+    return "autoscaled", emulated_autoscaled(cluster, module_namespace, "autoscaled", AUTOSCALING)
 
 
 def _status(dinf: object) -> dict:

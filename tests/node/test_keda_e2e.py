@@ -23,10 +23,10 @@ from lightkube.resources.autoscaling_v2 import HorizontalPodAutoscaler
 from lightkube.resources.core_v1 import Event, Service
 
 from disagg.operator import names
-from support.dinf import Dinf, create
+from support.dinf import Dinf
 from support.kube import watch_until
 from support.tools import kubectl
-from support.traffic import Stream, settled
+from support.traffic import Stream, emulated_autoscaled, settled
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 
@@ -73,20 +73,14 @@ def scaled_object(namespace: str, cr: str, role: str, metrics_url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def keda_driven(cluster, real_node, operator_release, keda, module_namespace):
-    name = create(cluster, module_namespace, {
-        "apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference",
-        "metadata": {"name": "keda"},
-        "spec": {"model": {"name": "tiny"}, "accelerator": {"profile": "cpu"},
-                 "engine": {"emulator": {"profile": "cpu-kv64k"}}, "kvTransfer": {"mode": "push"},
-                 "router": {"pairWaitSeconds": 150}, "autoscaling": AUTOSCALING}})
-    watch_until(cluster, Dinf, name, settled(1, 1), namespace=module_namespace, timeout=300, what="settled at 1P1D")
+    name = "keda"
+    router_url = emulated_autoscaled(cluster, module_namespace, name, AUTOSCALING)
     metrics = cluster.client.get(Service, f"{operator_release.name}-disagg-operator-metrics",
                                  namespace=operator_release.namespace)
     url = f"http://{metrics.spec.clusterIP}:{metrics.spec.ports[0].port}/metrics"
     for role in MAX:
         cluster.client.create(codecs.from_dict(scaled_object(module_namespace, name, role, url)))
-    router = cluster.client.get(Service, names.router_name(name), namespace=module_namespace)
-    yield name, f"http://{router.spec.clusterIP}:{router.spec.ports[0].port}"
+    yield name, router_url
     # While KEDA runs: it holds a finalizer on each ScaledObject, which would keep the namespace from going.
     for role in MAX:
         cluster.client.delete(ScaledObject, f"{name}-{role}", namespace=module_namespace)

@@ -65,3 +65,22 @@ def settled(prefill: int, decode: int) -> Callable[[object], bool]:
                 and all(tuple(revisions[0].get(role, {}).get(k) for k in ("replicas", "ready", "advertised"))
                         == (n, n, n) for role, n in (("prefill", prefill), ("decode", decode))))
     return check
+
+
+def emulated_autoscaled(cluster, namespace: str, name: str, autoscaling: dict) -> str:
+    """A push CR of engine emulators (cpu-kv64k) with `autoscaling`, settled at 1P1D; its router's URL (the
+    Service's ClusterIP, reached from the host through kube-proxy)."""
+    from lightkube.resources.core_v1 import Service
+
+    from disagg.operator import names
+    from support.dinf import Dinf, create
+    from support.kube import watch_until
+
+    create(cluster, namespace, {
+        "apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference", "metadata": {"name": name},
+        "spec": {"model": {"name": "tiny"}, "accelerator": {"profile": "cpu"},
+                 "engine": {"emulator": {"profile": "cpu-kv64k"}}, "kvTransfer": {"mode": "push"},
+                 "router": {"pairWaitSeconds": 150}, "autoscaling": autoscaling}})
+    watch_until(cluster, Dinf, name, settled(1, 1), namespace=namespace, timeout=300, what="settled at 1P1D")
+    svc = cluster.client.get(Service, names.router_name(name), namespace=namespace)
+    return f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
