@@ -59,16 +59,15 @@ async def test_a_leg_that_failed_as_its_attempt_ended_leaves_no_unretrieved_exce
 
     for settle in (False, True):  # without _settle, the case it guards against: one error logged
         failed, running = loop.create_task(fails()), loop.create_task(runs())
-        await asyncio.sleep(0)  # both start; `failed` ends with its exception, nobody awaiting it
-        assert failed.done() and not running.done()
+        await asyncio.wait([failed])  # it ends with its exception, which waiting does not retrieve
+        assert not running.done()
         if settle:
             _settle(failed, None, running)
-            await asyncio.sleep(0)
-            assert running.cancelled()
         else:
             running.cancel()
+        await asyncio.wait([running])
+        assert running.cancelled()
         del failed, running
-        gc.collect()
-        await asyncio.sleep(0)
+        gc.collect()  # a task's unretrieved exception is reported as it is collected
         assert len(unretrieved) == (0 if settle else 1), unretrieved
         unretrieved.clear()
