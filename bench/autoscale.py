@@ -54,19 +54,18 @@ from typing import Any
 import aiohttp
 import result_file
 from lightkube import codecs
-from lightkube.generic_resource import create_namespaced_resource
 from pd_client import dist
 
-from disagg.devcluster import demo, demo_node, tinymodel
+from disagg.devcluster import demo, demo_node, keda, tinymodel
 from disagg.devcluster.cluster import ClusterConfig, LocalCluster
 from disagg.operator import names
+from disagg.operator.api import EngineSpec
 from disagg.operator.bindings import DinfResource
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 NAMESPACE = demo_node.NAMESPACE
-ENGINE_PORT = 8000  # spec.engine.port's default, which the CRs here keep
-ScaledObject = create_namespaced_resource("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects")
+ENGINE_PORT = EngineSpec.model_fields["port"].default  # the CRs here keep it
 ROLES = ("prefill", "decode")
 
 
@@ -199,20 +198,11 @@ def cr(arm: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def scaled_objects(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """The keda arm's autoscaler: per role, engines = ceil(requests waiting over the role's engines / target)."""
-    out = []
-    for role in ROLES:
-        url = f"http://{names.engine_name(name, role)}.{NAMESPACE}.svc:{ENGINE_PORT}/metrics"
-        out.append({
-            "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-            "metadata": {"name": f"{name}-{role}", "namespace": NAMESPACE},
-            "spec": {"scaleTargetRef": {"apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedRole",
-                                        "name": names.role_object_name(name, role)},
-                     "minReplicaCount": 1, "maxReplicaCount": args.max,
-                     "triggers": [{"type": "metrics-api", "metricType": "AverageValue", "metadata": {
-                         "url": url, "format": "prometheus", "valueLocation": "vllm:num_requests_waiting",
-                         "aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum",
-                         "targetValue": str(args.keda_waiting)}}]}})
-    return out
+    return [keda.scaled_object(NAMESPACE, f"{name}-{role}", names.role_object_name(name, role),
+                               f"http://{names.engine_name(name, role)}.{NAMESPACE}.svc:{ENGINE_PORT}/metrics",
+                               "vllm:num_requests_waiting", args.keda_waiting, max_replicas=args.max,
+                               metadata={"aggregateFromKubeServiceEndpoints": "true", "aggregationType": "sum"})
+            for role in ROLES]
 
 
 async def run_arm(c: LocalCluster, arm: str, args: argparse.Namespace, phases: list[Phase]) -> dict[str, Any]:
@@ -254,7 +244,7 @@ async def run_arm(c: LocalCluster, arm: str, args: argparse.Namespace, phases: l
     stop.set()
     await sampler
     for so in autoscalers:
-        client.delete(ScaledObject, so["metadata"]["name"], namespace=NAMESPACE)
+        client.delete(keda.ScaledObject, so["metadata"]["name"], namespace=NAMESPACE)
     client.delete(DinfResource, arm, namespace=NAMESPACE)
     await await_gone(client, arm)
     return {"arm": arm, "cr": obj["spec"], "requests": [asdict(r) for r in sent], "samples": samples}

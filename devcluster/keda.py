@@ -9,7 +9,8 @@ The pieces, as KEDA's own manifests set them up, minus the pods:
 - the operator's gRPC metrics service, which the adapter asks for each metric, on mutual TLS;
 - both on the admin kubeconfig (KEDA's RBAC is KEDA's business, not what the tests prove).
 
-Pure: what to write and run. LocalCluster.start_keda does it.
+Pure: what to write and run (and the ScaledObjects that drive a role: scaled_object). LocalCluster.start_keda
+does it.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from lightkube.generic_resource import create_namespaced_resource
+
+from disagg.operator import api, role_api
 
 from .build import KEDA_DIR
 
@@ -28,6 +32,7 @@ ADAPTER_SERVICE = "keda-metrics-apiserver"
 OPERATOR_SERVICE = "keda-operator"
 API_SERVICE = "v1beta1.external.metrics.k8s.io"
 MODULE = "github.com/kedacore/keda/v2"
+ScaledObject = create_namespaced_resource("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects")
 
 
 def module_dir() -> Path:
@@ -39,12 +44,6 @@ def module_dir() -> Path:
 
 def crds(source: Path) -> list[dict[str, Any]]:
     return [yaml.safe_load(p.read_text()) for p in sorted((source / "config" / "crd" / "bases").glob("*.yaml"))]
-
-
-def by_dns(api_service: dict[str, Any]) -> str:
-    """The name the aggregator expects on the certificate of an APIService's backend."""
-    svc = api_service["spec"]["service"]
-    return f"{svc['name']}.{svc['namespace']}.svc"
 
 
 def serving_names() -> tuple[str, ...]:
@@ -108,3 +107,20 @@ def adapter_argv(binary: Path, cert_dir: Path, kubeconfig: Path, ports: Ports) -
             f"--tls-cert-file={cert_dir / 'tls.crt'}", f"--tls-private-key-file={cert_dir / 'tls.key'}",
             f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}", f"--lister-kubeconfig={kc}",
             f"--metrics-service-address=127.0.0.1:{ports.grpc}", f"--port={ports.adapter_metrics}", "--v=0"]
+
+
+def scaled_object(namespace: str, name: str, role_object: str, url: str, value_location: str, target: float, *,
+                  max_replicas: int, metadata: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:
+    """A ScaledObject driving one DisaggregatedRole's /scale from one series of a Prometheus text endpoint (KEDA's
+    metrics-api scaler): ceil(value / `target`) engines, within 1 and `max_replicas`. `metadata`: more of the
+    trigger's; `spec`: more of the ScaledObject's (pollingInterval, advanced, ...)."""
+    return {
+        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"scaleTargetRef": {"apiVersion": f"{api.GROUP}/{api.VERSION}", "kind": role_api.KIND,
+                                    "name": role_object},
+                 "minReplicaCount": 1, "maxReplicaCount": max_replicas, **spec,
+                 "triggers": [{"type": "metrics-api", "metricType": "AverageValue", "metadata": {
+                     "url": url, "format": "prometheus", "valueLocation": value_location,
+                     "targetValue": f"{target:g}", **(metadata or {})}}]},
+    }

@@ -18,11 +18,13 @@ import sys
 
 import pytest
 from lightkube import codecs
-from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.autoscaling_v2 import HorizontalPodAutoscaler
 from lightkube.resources.core_v1 import Event, Service
 
+from disagg.devcluster import keda
+from disagg.devcluster.keda import ScaledObject
 from disagg.operator import names
+from disagg.operator.scale_executor import RoleResource
 from support.dinf import Dinf
 from support.kube import watch_until
 from support.tools import kubectl
@@ -30,8 +32,6 @@ from support.traffic import Stream, emulated_autoscaled, settled
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 
-ScaledObject = create_namespaced_resource("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects")
-DRole = create_namespaced_resource("serving.disagg.io", "v1alpha1", "DisaggregatedRole", "disaggregatedroles")
 CLIENTS = 4
 MAX = {"prefill": 3, "decode": 2}
 AUTOSCALING = {
@@ -43,7 +43,7 @@ AUTOSCALING = {
 
 
 @pytest.fixture(scope="module")
-def keda(cluster, real_node):
+def keda_running(cluster, real_node):
     procs = cluster.local.start_keda(progress=lambda m: print(m, file=sys.stderr, flush=True))
     yield
     cluster.local.stop_keda(procs)
@@ -56,23 +56,14 @@ def scaled_object(namespace: str, cr: str, role: str, metrics_url: str) -> dict:
     engine (AverageValue 1), no stabilization window (a test waits for the count, not for HPA defaults)."""
     series = f'disagg_planner_needed_replicas{{namespace="{namespace}",name="{cr}",role="{role}"}}'
     no_window = {"stabilizationWindowSeconds": 0}
-    return {
-        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
-        "metadata": {"name": f"{cr}-{role}", "namespace": namespace},
-        "spec": {
-            "scaleTargetRef": {"apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedRole",
-                               "name": names.role_object_name(cr, role)},
-            "minReplicaCount": 1, "maxReplicaCount": MAX[role], "pollingInterval": 5,
-            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {"scaleUp": no_window,
-                                                                        "scaleDown": no_window}}},
-            "triggers": [{"type": "metrics-api", "metricType": "AverageValue", "metadata": {
-                "url": metrics_url, "format": "prometheus", "valueLocation": series, "targetValue": "1"}}],
-        },
-    }
+    return keda.scaled_object(namespace, f"{cr}-{role}", names.role_object_name(cr, role), metrics_url, series, 1,
+                              max_replicas=MAX[role], pollingInterval=5, advanced={
+                                  "horizontalPodAutoscalerConfig": {"behavior": {"scaleUp": no_window,
+                                                                                 "scaleDown": no_window}}})
 
 
 @pytest.fixture(scope="module")
-def keda_driven(cluster, real_node, operator_release, keda, module_namespace):
+def keda_driven(cluster, real_node, operator_release, keda_running, module_namespace):
     name = "keda"
     router_url = emulated_autoscaled(cluster, module_namespace, name, AUTOSCALING)
     metrics = cluster.client.get(Service, f"{operator_release.name}-disagg-operator-metrics",
@@ -112,7 +103,7 @@ def test_keda_scales_both_roles_from_the_planners_metric_and_back_with_no_failed
     assert all(planner[role]["needed"] >= n for role, n in MAX.items()), planner
 
     for role in MAX:
-        role_object = cluster.client.get(DRole, names.role_object_name(name, role), namespace=module_namespace)
+        role_object = cluster.client.get(RoleResource, names.role_object_name(name, role), namespace=module_namespace)
         managers = {(f.manager, f.subresource) for f in role_object.metadata.managedFields}
         assert ("kube-controller-manager", "scale") in managers, (role, managers)
         hpa = cluster.client.get(HorizontalPodAutoscaler, f"keda-hpa-{name}-{role}", namespace=module_namespace)
