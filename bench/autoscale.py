@@ -30,12 +30,12 @@ the control plane, devcluster/keda.py) reads `vllm:num_requests_waiting` from ev
 metrics-api scaler over the role's headless Service's endpoints, summed) and asks for one engine per
 --keda-waiting requests waiting, within 1 and --max, with KEDA's and the HPA's default polling and stabilization.
 
-  flock /tmp/disagg-engines.lock .venv/bin/python bench/autoscale.py --rounds 2     # about 80 minutes
+  flock /tmp/disagg-engines.lock .venv/bin/python bench/autoscale.py     # 3 rounds of 3 arms: about 80 minutes
 Writes bench/results/autoscale.json and its plot, autoscale.png (bench/plot_autoscale.py: per arm, load and engine
 pods over the trace, and TTFT). `--quick` shortens every phase to check the harness.
 
-Not run yet: the trace's rates and the per-engine throughputs are estimates from the cpu-kv64k profile, to be
-checked with `--quick` first.
+The trace is short (7.5 minutes) so that three rounds of three arms fit one sitting; the planner arm's scale-down
+cooldown is shortened with it (--scale-down-cooldown), as a user would for loads that move by the minute.
 """
 from __future__ import annotations
 
@@ -187,7 +187,8 @@ def cr(arm: str, args: argparse.Namespace) -> dict[str, Any]:
         spec["autoscaling"] = {
             "prefill": {"minReplicas": 1, "maxReplicas": args.max, "inputTokensPerSecond": args.prefill_tps},
             "decode": {"minReplicas": 1, "maxReplicas": args.max, "outputTokensPerSecond": args.decode_tps},
-            "slo": {"percentile": 90, "ttftMilliseconds": args.ttft_ms, "tpotMilliseconds": args.tpot_ms}}
+            "slo": {"percentile": 90, "ttftMilliseconds": args.ttft_ms, "tpotMilliseconds": args.tpot_ms},
+            "scaleDown": {"cooldownSeconds": args.scale_down_cooldown}}
     elif arm == "keda":
         spec["prefill"], spec["decode"] = {"replicas": 1}, {"replicas": 1}
     else:
@@ -379,7 +380,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "config": {"phases": [asdict(p) for p in phases], "order": order, "seed": args.seed, "max": args.max,
                        "static": args.static, "prefill_tps": args.prefill_tps, "decode_tps": args.decode_tps,
                        "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "percentile": 90},
-                       "settle_s": args.settle_s, "keda_waiting": args.keda_waiting,
+                       "settle_s": args.settle_s, "scale_down_cooldown_s": args.scale_down_cooldown,
+                       "keda_waiting": args.keda_waiting,
                        "deployment": "cpu-kv64k engine emulators on the real node, push, 1 router"},
             "headline": headline, "arms": arms}
 
@@ -387,10 +389,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-rate", type=float, default=0.25, help="requests per second of the base phases")
-    p.add_argument("--base-s", type=float, default=180)
-    p.add_argument("--step-s", type=float, default=300)
-    p.add_argument("--back-s", type=float, default=300)
-    p.add_argument("--diurnal-s", type=float, default=480)
+    p.add_argument("--base-s", type=float, default=60)
+    p.add_argument("--step-s", type=float, default=120)
+    p.add_argument("--back-s", type=float, default=120)
+    p.add_argument("--diurnal-s", type=float, default=150)
     p.add_argument("--max", type=int, default=8, help="the planner's maxReplicas per role")
     p.add_argument("--static", type=lambda s: tuple(int(x) for x in s.split(",")), default=(3, 3),
                    help="the static arm's prefill,decode engines (sized for the trace's peak)")
@@ -400,12 +402,15 @@ def main() -> int:
                    help="spec.autoscaling.decode.outputTokensPerSecond (cpu-kv64k: ~120 tokens/s at a batch of 10)")
     p.add_argument("--ttft-ms", type=int, default=10000)
     p.add_argument("--tpot-ms", type=int, default=200)
-    p.add_argument("--settle-s", type=float, default=120, help="seconds into a flat phase before it counts as steady")
-    p.add_argument("--arms", type=lambda s: tuple(s.split(",")), default=("planner", "static"),
+    p.add_argument("--scale-down-cooldown", type=int, default=60,
+                   help="the planner arm's spec.autoscaling.scaleDown.cooldownSeconds (the CR's default, 300, is "
+                   "longer than this trace's phases)")
+    p.add_argument("--settle-s", type=float, default=45, help="seconds into a flat phase before it counts as steady")
+    p.add_argument("--arms", type=lambda s: tuple(s.split(",")), default=("planner", "static", "keda"),
                    help="arms in round 1's order (later rounds alternate it): planner, static, keda")
     p.add_argument("--keda-waiting", type=float, default=2.0,
                    help="the keda arm's target: requests waiting per engine of a role")
-    p.add_argument("--rounds", type=int, default=2, help="ABBA: each round runs the arms in the reverse order of the "
+    p.add_argument("--rounds", type=int, default=3, help="ABBA: each round runs the arms in the reverse order of the "
                    "round before")
     p.add_argument("--seed", type=int, default=35)
     p.add_argument("--quick", action="store_true", help="every phase 60 s, one round")
