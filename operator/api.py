@@ -517,8 +517,9 @@ class PrefillAutoscalingSpec(_ReplicaBounds):
     input_tokens_per_second: int | None = Field(default=None, ge=1, le=100_000_000)
     """Prompt tokens one prefill engine computes per second while it still meets the TTFT target (from a
     benchmark of this model on this profile). With it the planner keeps at least ceil(arrivals per second x mean
-    prompt tokens / this) prefill engines, so a step in load is met in one decision; without it, prefill follows
-    the TTFT, queue and KV signals alone, a step at a time."""
+    prompt tokens / this) prefill engines, and more while requests wait: enough to compute their prompts within the
+    TTFT target, so a step in load is met in one decision and the queue it built is cleared in time; without it,
+    prefill follows the TTFT, queue and KV signals alone, a step at a time."""
 
 
 class DecodeAutoscalingSpec(_ReplicaBounds):

@@ -6,7 +6,10 @@ Signals. Each role reads its load as signals; each says what count it calls for 
 fewest engines that would keep it under the band (`shrink_to`, None when it forbids shrinking):
 - throughput (when the policy gives one engine's tokens per second): demand = arrivals per second x mean prompt
   tokens (prefill) or mean output tokens (decode); grow_to = ceil(demand / per-engine), shrink_to =
-  ceil(demand / (per-engine x band)). Arrivals include refused requests, so the floor counts what was offered;
+  ceil(demand / (per-engine x band)). Arrivals include refused requests, so the floor counts what was offered.
+  Prefill's demand also has its backlog: the requests waiting (in its engines and in the router) x mean prompt
+  tokens, to be computed within the TTFT target, so a step in load that built a queue before the planner saw it
+  is met with the engines that clear the queue in time, not only those that keep up from then on;
 - KV usage and waiting requests, totals over the role's engines against a per-engine level (0.8 of the cache, 5
   waiting): grow_to = ceil(total / level), shrink_to = ceil(total / (level x band)), as the load would spread over
   that many engines (the workload-variant-autoscaler's N-1 check);
@@ -73,6 +76,15 @@ def demand(role: Role, observed: Observed) -> float:
     return w.arrival_rate * (w.mean_input_tokens if role == "prefill" else w.mean_output_tokens)
 
 
+def backlog(role: Role, observed: Observed, policy: AutoscalingPolicy) -> float:
+    """Prefill: the tokens per second that compute the waiting requests' prompts within the TTFT target; decode: 0
+    (its waiting requests are mostly legs whose KV is on its way, which more decode engines would not hasten)."""
+    if role != "prefill":
+        return 0.0
+    w = observed.window
+    return (observed.role(role).load.waiting + w.queued) * w.mean_input_tokens / (policy.ttft_ms / 1000)
+
+
 def _proportional(total: float, level: float, band: float, reading: str) -> Signal:
     return Signal(engines_for(total, level), engines_for(total, level * band), reading)
 
@@ -84,8 +96,11 @@ def signals(role: Role, observed: Observed, policy: AutoscalingPolicy, n: int) -
     per_engine = policy.role(role).tokens_per_second
     if per_engine is not None:
         unit = "prompt" if role == "prefill" else "output"
-        out.append(_proportional(demand(role, observed), per_engine, band,
-                                 f"{demand(role, observed):.0f} {unit} tokens/s at {per_engine:g} per engine"))
+        offered, queue = demand(role, observed), backlog(role, observed, policy)
+        reading = f"{offered:.0f} {unit} tokens/s"
+        if queue:
+            reading += f" and {queue:.0f} to clear the waiting requests within the TTFT target"
+        out.append(_proportional(offered + queue, per_engine, band, f"{reading} at {per_engine:g} per engine"))
     out.append(_proportional(load.kv_usage, policy.kv_usage_high, band,
                              f"KV usage {load.kv_usage:.2f} engines' worth (level {policy.kv_usage_high:g})"))
     out.append(_proportional(load.waiting, policy.waiting_high, band,

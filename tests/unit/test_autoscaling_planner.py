@@ -23,6 +23,10 @@ SITUATIONS = {
         observe(1, 1, rps=5, isl=1600, osl=200, ttft=300, tpot=40), POLICY,
         Rescale, (4, 2), ("1 → 4: 8000 prompt tokens/s at 2000 per engine calls for 4",
                           "1 → 2: 1000 output tokens/s")),
+    "a queue built before the planner saw a step is cleared within the TTFT target": (
+        observe(1, 1, rps=1, isl=2000, osl=100, ttft=3000, tpot=40, waiting=(4, 0), queued=2), POLICY,
+        Rescale, (5, 1), ("1 → 5 (at most 4 more per decision): 2000 prompt tokens/s and 12000 to clear the waiting "
+                          "requests within the TTFT target at 2000 per engine calls for 7", "steady at minReplicas 1")),
     "growth beyond one step is taken max_step at a time, and never past the maximum": (
         observe(1, 1, rps=10, isl=2000, osl=0, ttft=300, tpot=30), POLICY,
         Rescale, (5, 1), ("1 → 5 (at most 4 more per decision, maxReplicas 8)", "steady at minReplicas 1")),
@@ -122,7 +126,8 @@ def test_the_estimates_behind_a_decision_are_what_the_metrics_export():
     decision = decide(observe(1, 1, rps=5, isl=1600, osl=200, ttft=300, tpot=40, kv=(0.2, 0.4), waiting=(1, 0),
                               running=(2, 9)), POLICY)
     p, d = decision.prefill.estimate, decision.decode.estimate
-    assert (p.demand_tokens_per_second, p.throughput_floor, p.latency_ms, p.needed) == (8000, 4, 300, 4)
+    # the floor is the offered load's; what prefill needs adds the waiting request's 1600 tokens within 1 s
+    assert (p.demand_tokens_per_second, p.throughput_floor, p.latency_ms, p.needed) == (8000, 4, 300, 5)
     assert (p.kv_usage, p.waiting, p.running) == (0.2, 1, 2)
     assert (d.demand_tokens_per_second, d.throughput_floor, d.latency_ms, d.needed) == (1000, 2, 40, 2)
     without = decide(observe(1, 1, rps=5, isl=1600, ttft=300, tpot=40), NO_THROUGHPUT)
