@@ -23,8 +23,16 @@ connector plugin, prefill pinned to core 0 and decode to core 1) and on the `cpu
              below the real pair's saturation (where it sustains the rate in every run: 90% of a queue-free
              server's throughput over the same arrivals), and the same saturation within 15%. A ramp stops after
              two steps in a row that its pair did not sustain. Writes bench/results/emulator_fit.json.
+  contention fits the profile's contention (how much the serving path around an engine stretches its steps on
+             this bed, connector/emulator/profiles.py) to the real arm of an earlier check (--reference): for each
+             candidate (prefill fixed, prefill per req/s, decode fixed, decode per req/s), one emulator ramp of the
+             reference's run 0 (its seed and rates) with those values; per rate, TTFT and TPOT p50 against the
+             reference's real requests of every run; the candidate with the smallest worst deviation (below the
+             reference's saturation, and of the saturation) wins. Emulators only: no engines, no lock needed.
+             Writes bench/results/emulator_contention.json; the winner is copied into profiles.py by hand (a unit
+             test holds them equal). The check that follows must use fresh runs (another --seed).
 
-Run both under the engines lock, on a quiet machine (the command checks the load average first):
+Run calibrate and check under the engines lock, on a quiet machine (the command checks the load average first):
   flock /tmp/disagg-engines.lock .venv/bin/python bench/emulator_fit.py calibrate
   flock /tmp/disagg-engines.lock .venv/bin/python bench/emulator_fit.py check --runs 3
 """
@@ -118,17 +126,22 @@ class Emulated:
         self.rendezvous.stop()
 
 
-def emulated_pair(logs: Path, timeout: float, profile: str = "cpu-kv64k") -> tuple[Emulated, str]:
+def emulated_pair(logs: Path, timeout: float, profile: str = "cpu-kv64k",
+                  contention: dict[str, str] | None = None) -> tuple[Emulated, str]:
+    """Two emulators behind a router; `contention`: per role, an emulator --contention value."""
     logs.mkdir(parents=True, exist_ok=True)
     rdv = DisaggService("fit-emu-rendezvous", [*RENDEZVOUS.args(), "--log-level", "WARNING"], logs)
     rdv.start()
     rdv.wait_http(rdv.url + "/health")
     env = RENDEZVOUS.engine_env(rdv.url)
-    flags = ["--registration-timeout", str(timeout)]
-    p = LocalEmulator(EmulatorSpec("fit-emu-prefill", "prefill", profile=profile, rendezvous_env=env, flags=flags,
-                                   kv_events=False), logs).start()
-    d = LocalEmulator(EmulatorSpec("fit-emu-decode", "decode", profile=profile, rendezvous_env=env, flags=flags,
-                                   kv_events=False), logs).start()
+    def flags(role: str) -> list[str]:
+        extra = ["--contention", contention[role]] if contention and role in contention else []
+        return ["--registration-timeout", str(timeout), *extra]
+
+    p = LocalEmulator(EmulatorSpec("fit-emu-prefill", "prefill", profile=profile, rendezvous_env=env,
+                                   flags=flags("prefill"), kv_events=False), logs).start()
+    d = LocalEmulator(EmulatorSpec("fit-emu-decode", "decode", profile=profile, rendezvous_env=env,
+                                   flags=flags("decode"), kv_events=False), logs).start()
     p.wait_ready()
     d.wait_ready()
     router = DisaggService("fit-router-emu", ["router", "--mode", "push", "--rendezvous", rdv.url,
@@ -476,6 +489,61 @@ async def check(args: argparse.Namespace) -> dict:
             "runs": runs, "elapsed_s": round(time.monotonic() - t0, 1)}
 
 
+def deviations(reference: dict, emulated: list[dict]) -> dict:
+    """Per rate, emulator / real p50 of TTFT and TPOT (the reference's real requests of every run against the
+    emulated ramp's), and the worst deviation below the reference's saturation and of the saturation."""
+    real_runs = [r["arms"]["real"]["steps"] for r in reference["runs"]]
+    per_rate, judged = {}, []
+    for key, entry in reference["headline"]["per_rate"].items():
+        rate = float(key)
+        emu = [s for s in emulated if s["rate_rps"] == rate]
+        if not emu:
+            continue
+        row = {}
+        for metric in ("ttft", "tpot"):
+            real = [x for steps in real_runs for s in steps if s["rate_rps"] == rate for x in per_request(s, metric)]
+            r50, e50 = quantile(real, 0.5), quantile(per_request(emu[0], metric), 0.5)
+            row[metric] = round(e50 / r50, 3) if r50 and e50 else None
+            if entry["below_saturation"] and row[metric]:
+                judged.append(abs(row[metric] - 1))
+        per_rate[key] = row
+    sat = max((s["throughput_rps"] or 0) for s in emulated) / reference["headline"]["saturation_rps"]["real"]["mean"]
+    worst = max(judged, default=1.0)
+    return {"per_rate": per_rate, "worst_p50_deviation_below_saturation": round(worst, 3),
+            "saturation_ratio": round(sat, 3), "score": round(max(worst, abs(sat - 1)), 3)}
+
+
+async def fit_contention(args: argparse.Namespace) -> dict:
+    reference = json.loads(args.reference.read_text())
+    cfg_ref = reference["config"]
+    cfg = Config(cells=[], requests=cfg_ref["requests_per_step"], max_tokens=cfg_ref["max_tokens"],
+                 timeout=cfg_ref["timeout_s"], seed=cfg_ref["seed"], warmup=args.warmup)
+    logs = Path(args.logs or f"/tmp/disagg-emulator-contention-{time.strftime('%Y%m%d-%H%M%S')}")
+    t0 = time.monotonic()
+    candidates = []
+    for i, text in enumerate(args.candidates):
+        pf, pr, df, dr = (float(x) for x in text.split(","))
+        values = {"prefill": f"{pf},{pr}", "decode": f"{df},{dr}"}
+        log(f"candidate {i + 1}/{len(args.candidates)}: prefill {values['prefill']}, decode {values['decode']}")
+        emu, url = emulated_pair(logs / f"candidate{i}", cfg.timeout, contention=values)
+        try:
+            steps = await ramp(url, "emulator", cfg, cfg_ref["rates"], cfg_ref["prompt_tokens"],
+                               {"prefill": emu.prefill.url, "decode": emu.decode.url})
+        finally:
+            emu.stop()
+        d = deviations(reference, steps)
+        log(f"  worst p50 deviation {d['worst_p50_deviation_below_saturation']}, saturation {d['saturation_ratio']}")
+        candidates.append({"prefill": {"fixed": pf, "per_request_per_second": pr},
+                           "decode": {"fixed": df, "per_request_per_second": dr}, **d, "steps": steps})
+    best = min(candidates, key=lambda c: c["score"])
+    return {"benchmark": "emulator_contention", "issue": 35, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": " ".join(["bench/emulator_fit.py", *sys.argv[1:]]), "commit": commit(),
+            "machine": machine(), "reference": {"file": str(args.reference), "when": reference["when"],
+                                                "commit": reference["commit"]},
+            "fit": {"prefill": best["prefill"], "decode": best["decode"], "score": best["score"]},
+            "candidates": candidates, "elapsed_s": round(time.monotonic() - t0, 1)}
+
+
 def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
@@ -515,7 +583,13 @@ def main() -> None:
     k.add_argument("--arms", type=lambda s: s.split(","), default=["real", "emulator"],
                    help="real,emulator (default); one arm alone checks the harness and writes no comparison")
     k.add_argument("--out", type=Path, default=RESULTS / "emulator_fit.json")
-    for q in (c, k):
+    n = sub.add_parser("contention")
+    n.add_argument("--reference", type=Path, required=True, help="an earlier check's result, whose real arm to fit")
+    n.add_argument("--candidates", nargs="+", required=True,
+                   help="each PREFILL_FIXED,PREFILL_PER_RPS,DECODE_FIXED,DECODE_PER_RPS")
+    n.add_argument("--warmup", type=int, default=3)
+    n.add_argument("--out", type=Path, default=RESULTS / "emulator_contention.json")
+    for q in (c, k, n):
         q.add_argument("--seed", type=int, default=35)
         q.add_argument("--timeout", type=float, default=60.0)
         q.add_argument("--max-load", type=float, default=1.5, help="start only below this 1-minute load average")
@@ -531,10 +605,11 @@ def main() -> None:
         result["fit"] = fit(result["prefill"], result["decode"], result["api"], CPU_KV64K.max_num_batched_tokens)
         result["refit"] = " ".join(["bench/emulator_fit.py", *sys.argv[1:]])
     else:
-        result = asyncio.run(calibrate(args) if args.cmd == "calibrate" else check(args))
+        run = {"calibrate": calibrate, "check": check, "contention": fit_contention}[args.cmd]
+        result = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(result_file.dumps(result) + "\n")
-    print(json.dumps(result.get("fit") or result["headline"], indent=1))
+    print(json.dumps(result.get("fit") or result.get("headline"), indent=1))
 
 
 if __name__ == "__main__":

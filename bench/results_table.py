@@ -398,6 +398,15 @@ def _emulator_calibration(name: str, d: dict[str, Any]) -> Iterator[Row]:
                   f"{100 * statistics.median(errors):.1f}%")
 
 
+def _emulator_contention(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """The contention fit: how close its chosen values bring the emulator to the reference check's real arm (the
+    data it was fitted to; the check that follows judges it on fresh runs)."""
+    best = min(d["candidates"], key=lambda c: c["score"])
+    yield Row("emulator_contention", "contention fit: worst p50 deviation from the reference's real arm",
+              round(100 * best["worst_p50_deviation_below_saturation"], 1), "%", name, None, None,
+              f"best of {len(d['candidates'])} candidates; saturation {best['saturation_ratio']}x")
+
+
 def _emulator_footprint(name: str, d: dict[str, Any]) -> Iterator[Row]:
     h, cfg = d["headline"], d.get("config", {})
     n = f"{cfg.get('emulators')} emulators"
@@ -496,6 +505,7 @@ def _autoscale(name: str, d: dict[str, Any]) -> Iterator[Row]:
 
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
     "emulator_fit": _emulator_fit, "emulator_calibration": _emulator_calibration,
+    "emulator_contention": _emulator_contention,
     "emulator_footprint": _emulator_footprint,
     "pd_serving": _pd_serving, "cold_pair": _cold_pair, "cluster_path": _cluster_path,
     "operator_scale": _operator_scale, "rollout": _rollout, "capacity": _capacity, "router_stubs": _router_stubs,

@@ -53,7 +53,7 @@ def profile_for(args: argparse.Namespace) -> EmulatorProfile:
         raise SystemExit(f"disagg emulator: --time-scale must be positive, got {args.time_scale}")
     if args.time_scale != 1:
         profile = profile.scaled(args.time_scale)
-    changes: dict[str, int] = {}
+    changes: dict[str, object] = {}
     if args.block_size is not None:
         changes["block_size"] = args.block_size
         changes["num_blocks"] = profile.kv_cache_tokens // args.block_size
@@ -61,6 +61,13 @@ def profile_for(args: argparse.Namespace) -> EmulatorProfile:
         changes["max_model_len"] = args.max_model_len
     if args.kv_cache_blocks is not None:
         changes["num_blocks"] = args.kv_cache_blocks
+    if args.contention is not None:
+        fixed, _, per_rps = args.contention.partition(",")
+        try:
+            both = {"fixed": float(fixed), "per_request_per_second": float(per_rps)}
+        except ValueError:
+            raise SystemExit(f"disagg emulator: --contention wants FIXED,PER_RPS, got {args.contention!r}") from None
+        changes["contention"] = {"prefill": both, "decode": both}
     if not changes:
         return profile
     try:

@@ -17,6 +17,7 @@ sequence is never both scheduled and preempted.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -152,3 +153,11 @@ def step_seconds(plan: StepPlan, costs: StepCosts) -> float:
         return 0.0
     return (costs.fixed_s + costs.per_prefill_token_s * prefill + costs.per_sequence_s * seqs
             + costs.per_kv_token_s * kv + costs.per_attention_pair_s * pairs)
+
+
+def recent_rate(arrivals: deque[float], now: float, window: float) -> float:
+    """Arrivals per second over the `window` seconds up to `now`. `arrivals` is oldest first; those older than the
+    window are dropped from it."""
+    while arrivals and arrivals[0] < now - window:
+        arrivals.popleft()
+    return len(arrivals) / window

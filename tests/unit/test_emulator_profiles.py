@@ -13,6 +13,7 @@ from disagg.connector.emulator.scheduler import Scheduled, StepPlan, step_second
 from disagg.connector.wire import emulator as contract
 
 CALIBRATION = Path(__file__).resolve().parents[2] / "bench" / "results" / "emulator_calibration.json"
+CONTENTION = CALIBRATION.with_name("emulator_contention.json")
 
 
 def test_the_profiles_are_the_operators_enum():
@@ -26,6 +27,10 @@ def test_cpu_kv64k_is_the_calibrations_fit():
     for key, value in fit["transfer"].items():
         assert getattr(CPU_KV64K.transfer, key) == pytest.approx(value, rel=0.01, abs=1e-9), key
     assert CPU_KV64K.api_latency_s == pytest.approx(fit["api_latency_s"], rel=0.01)
+    contention = json.loads(CONTENTION.read_text())["fit"]
+    for role in ("prefill", "decode"):
+        assert CPU_KV64K.contention.of(role).model_dump() == contention[role], role
+    assert QWEN3_32B_TP4_P5EN.contention.of("decode").factor(100.0) == 1.0, "a GPU owns its compute"
     # 1 GiB of 64 KiB-per-token KV in blocks of 128: what vLLM reports for the real engine.
     assert CPU_KV64K.num_blocks == 128 and CPU_KV64K.kv_cache_tokens == 16384
 
@@ -63,5 +68,9 @@ def test_a_time_scale_multiplies_every_duration_and_keeps_the_capacity():
     assert half.step.per_attention_pair_s == pytest.approx(CPU_KV64K.step.per_attention_pair_s / 2)
     assert half.transfer.per_token_s == pytest.approx(CPU_KV64K.transfer.per_token_s / 2)
     assert half.api_latency_s == pytest.approx(CPU_KV64K.api_latency_s / 2)
+    # the same load on a twice-as-fast engine arrives twice as often: the same contention
+    for role in ("prefill", "decode"):
+        assert half.contention.of(role).factor(4.0) == pytest.approx(CPU_KV64K.contention.of(role).factor(2.0))
+    assert half.contention_window_s == pytest.approx(CPU_KV64K.contention_window_s / 2)
     assert (half.num_blocks, half.max_num_seqs, half.name) == (CPU_KV64K.num_blocks, CPU_KV64K.max_num_seqs,
                                                                CPU_KV64K.name)

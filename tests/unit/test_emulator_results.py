@@ -43,3 +43,15 @@ def test_the_fit_is_judged_within_15_percent_below_saturation_only(table, ttft, 
     past = [r for r in rows if "past the real pair's saturation" in r.n]
     assert past and all(r.goal is None for r in past), "a rate past saturation is shown, not judged"
     assert "1 ± 0.15 (issue 35)" in table.markdown(judged, {"emulator_fit.json": "today"})
+
+
+def test_the_contention_fit_shows_its_best_candidate_and_is_not_judged(table):
+    def candidate(worst: float, saturation: float) -> dict:
+        return {"worst_p50_deviation_below_saturation": worst, "saturation_ratio": saturation,
+                "score": max(worst, abs(saturation - 1))}
+
+    result = {"benchmark": "emulator_contention", "candidates": [candidate(0.3, 1.0), candidate(0.08, 0.95),
+                                                                  candidate(0.05, 0.7)]}
+    (row,) = table.rows({"emulator_contention.json": result})
+    assert (row.value, row.goal) == (8.0, None), "the best is judged on deviation and saturation together"
+    assert "best of 3 candidates; saturation 0.95x" in row.n

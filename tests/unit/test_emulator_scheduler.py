@@ -3,12 +3,22 @@ policy: chunked prefill, first come first served, preemption, P/D decode admissi
 properties that hold for any queue: the budget, the free blocks and max_num_seqs are never exceeded."""
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from disagg.connector.emulator.profiles import CPU_KV64K, StepCosts
-from disagg.connector.emulator.scheduler import Scheduled, SeqView, StepPlan, blocks_for, plan_step, step_seconds
+from disagg.connector.emulator.profiles import CPU_KV64K, Contention, RoleContention, StepCosts
+from disagg.connector.emulator.scheduler import (
+    Scheduled,
+    SeqView,
+    StepPlan,
+    blocks_for,
+    plan_step,
+    recent_rate,
+    step_seconds,
+)
 
 P = CPU_KV64K.model_copy(update={"block_size": 16, "max_num_batched_tokens": 64, "max_num_seqs": 4,
                                  "max_model_len": 512, "num_blocks": 64})
@@ -136,3 +146,18 @@ def test_a_plan_never_exceeds_the_budget_the_blocks_or_max_num_seqs(run_spec, wa
     for s in plan.scheduled:
         v = by_id[s.id]
         assert s.start + s.tokens <= max(v.tokens, s.start) and s.start + s.tokens <= P.max_model_len
+
+
+def test_the_recent_rate_counts_the_windows_arrivals_and_forgets_older_ones():
+    arrivals = deque([0.0, 1.0, 5.0, 9.0, 10.0])
+    assert recent_rate(arrivals, 10.0, 5.0) == pytest.approx(3 / 5)
+    assert list(arrivals) == [5.0, 9.0, 10.0]
+    assert recent_rate(arrivals, 100.0, 5.0) == 0.0 and not arrivals
+
+
+def test_contention_stretches_a_step_by_its_fixed_share_and_its_share_per_request_per_second():
+    c = Contention(fixed=0.1, per_request_per_second=0.05)
+    assert c.factor(0.0) == pytest.approx(1.1)
+    assert c.factor(4.0) == pytest.approx(1.3)
+    assert Contention().factor(100.0) == 1.0  # an engine that owns its compute
+    assert RoleContention(decode=c).of("decode") is c and RoleContention(decode=c).of("prefill") == Contention()
