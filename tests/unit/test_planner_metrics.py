@@ -27,9 +27,11 @@ def test_a_decision_is_exported_per_role_with_the_estimates_behind_it():
                           running=(2, 9)), POLICY)
     decisions.record("ns", "llama", step)
     got = scraped(registry)
-    assert got[at("disagg_planner_desired_replicas", "llama", "prefill")] == step.prefill.desired == 4
+    # prefill: the 8000 tokens/s offered and the waiting request's 1600 within the 1-s TTFT target, at 2000 each
+    assert got[at("disagg_planner_desired_replicas", "llama", "prefill")] == step.prefill.desired == 5
     assert got[at("disagg_planner_desired_replicas", "llama", "decode")] == step.decode.desired == 2
-    assert got[at("disagg_planner_needed_replicas", "llama", "prefill")] == 4
+    assert got[at("disagg_planner_needed_replicas", "llama", "prefill")] == 5
+    assert got[at("disagg_planner_throughput_floor_replicas", "llama", "prefill")] == 4
     assert got[at("disagg_planner_demand_tokens_per_second", "llama", "prefill")] == 8000
     assert got[at("disagg_planner_throughput_floor_replicas", "llama", "decode")] == 2
     assert got[at("disagg_planner_slo_latency_seconds", "llama", "prefill")] == 0.3
