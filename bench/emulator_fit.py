@@ -25,10 +25,10 @@ connector plugin, prefill pinned to core 0 and decode to core 1) and on the `cpu
              two steps in a row that its pair did not sustain. Writes bench/results/emulator_fit.json.
   contention fits the profile's contention (how much the serving path around an engine stretches its steps on
              this bed, connector/emulator/profiles.py) to the real arm of an earlier check (--reference): for each
-             candidate (prefill fixed, prefill per req/s, decode fixed, decode per req/s), one emulator ramp of the
-             reference's run 0 (its seed and rates) with those values; per rate, TTFT and TPOT p50 against the
-             reference's real requests of every run; the candidate with the smallest worst deviation (below the
-             reference's saturation, and of the saturation) wins. Emulators only: no engines, no lock needed.
+             candidate (per role: the share of each step, and milliseconds per sequence in a step), one emulator
+             ramp of the reference's run 0 (its seed and rates) with those values; per rate, TTFT and TPOT p50
+             against the reference's real requests of every run; the candidate with the smallest worst deviation
+             (below the reference's saturation, and of the saturation) wins. Emulators only: no engines, no lock needed.
              Writes bench/results/emulator_contention.json; the winner is copied into profiles.py by hand (a unit
              test holds them equal). The check that follows must use fresh runs (another --seed).
 
@@ -522,8 +522,8 @@ async def fit_contention(args: argparse.Namespace) -> dict:
     t0 = time.monotonic()
     candidates = []
     for i, text in enumerate(args.candidates):
-        pf, pr, df, dr = (float(x) for x in text.split(","))
-        values = {"prefill": f"{pf},{pr}", "decode": f"{df},{dr}"}
+        ps, pq, ds, dq = (float(x) for x in text.split(","))
+        values = {"prefill": f"{ps},{pq}", "decode": f"{ds},{dq}"}
         log(f"candidate {i + 1}/{len(args.candidates)}: prefill {values['prefill']}, decode {values['decode']}")
         emu, url = emulated_pair(logs / f"candidate{i}", cfg.timeout, contention=values)
         try:
@@ -533,8 +533,8 @@ async def fit_contention(args: argparse.Namespace) -> dict:
             emu.stop()
         d = deviations(reference, steps)
         log(f"  worst p50 deviation {d['worst_p50_deviation_below_saturation']}, saturation {d['saturation_ratio']}")
-        candidates.append({"prefill": {"fixed": pf, "per_request_per_second": pr},
-                           "decode": {"fixed": df, "per_request_per_second": dr}, **d, "steps": steps})
+        candidates.append({"prefill": {"share": ps, "per_sequence_s": pq / 1000},
+                           "decode": {"share": ds, "per_sequence_s": dq / 1000}, **d, "steps": steps})
     best = min(candidates, key=lambda c: c["score"])
     return {"benchmark": "emulator_contention", "issue": 35, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": " ".join(["bench/emulator_fit.py", *sys.argv[1:]]), "commit": commit(),
@@ -586,7 +586,7 @@ def main() -> None:
     n = sub.add_parser("contention")
     n.add_argument("--reference", type=Path, required=True, help="an earlier check's result, whose real arm to fit")
     n.add_argument("--candidates", nargs="+", required=True,
-                   help="each PREFILL_FIXED,PREFILL_PER_RPS,DECODE_FIXED,DECODE_PER_RPS")
+                   help="each PREFILL_SHARE,PREFILL_PER_SEQUENCE_MS,DECODE_SHARE,DECODE_PER_SEQUENCE_MS")
     n.add_argument("--warmup", type=int, default=3)
     n.add_argument("--out", type=Path, default=RESULTS / "emulator_contention.json")
     for q in (c, k, n):

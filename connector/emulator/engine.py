@@ -28,7 +28,7 @@ from .kv_events import KvEventPublisher
 from .metrics import EngineMetrics
 from .profiles import EmulatorProfile
 from .requests import KvMode, Output, RemotePrefill, Request, new_request
-from .scheduler import Scheduled, SeqView, plan_step, recent_rate, step_seconds
+from .scheduler import Scheduled, SeqView, plan_step, step_seconds
 from .side_channel import Client, PushRegistration
 
 log = logging.getLogger("disagg.emulator")
@@ -57,8 +57,6 @@ class EmulatedEngine(KvHandoff):
         self.cancelled: dict[str, float] = {}
         """Prefill base ids whose decode cancelled, until their deadline: never WRITE them."""
         self.tasks: set[asyncio.Task[Any]] = set()
-        self.finishes: deque[float] = deque()
-        """When each request of the last contention window finished here (loop time), oldest first."""
         self.contention = profile.contention.of(role)
         self._wake = asyncio.Event()
         self.steps = 0
@@ -118,8 +116,7 @@ class EmulatedEngine(KvHandoff):
             begun = [(s, by_id[s.id]) for s in plan.scheduled]
             for s, req in begun:
                 events += self._begin(s, req, start)
-            cost = step_seconds(plan, self.profile.step) * self.contention.factor(
-                recent_rate(self.finishes, start, self.profile.contention_window_s))
+            cost = step_seconds(plan, self.profile.step, self.contention)
             if cost > 0:
                 await asyncio.sleep(max(0.0, start + cost - loop.time()))
             now = loop.time()
@@ -208,7 +205,6 @@ class EmulatedEngine(KvHandoff):
         self.running.remove(req)
         req.phase = "done"
         self.metrics.finished(req, now)
-        self.finishes.append(now)
         if req.remote_decode:
             self._hold_for_decode(req)
         else:

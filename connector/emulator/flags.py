@@ -31,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "profile's time; functional tests run at a fraction of it")
     p.add_argument("--kv-cache-blocks", type=int, default=None,
                    help="KV cache capacity in blocks instead of the profile's (to make the prefix cache evict)")
-    p.add_argument("--contention", default=None, metavar="FIXED,PER_RPS",
-                   help="this engine's contention instead of its role's in the profile: the share a step is "
-                        "stretched by while serving, and the share added per request per second it receives "
+    p.add_argument("--contention", default=None, metavar="SHARE,PER_SEQUENCE_MS",
+                   help="this engine's contention instead of its role's in the profile: the share every step is "
+                        "stretched by while serving, and the milliseconds added per sequence in a step "
                         "(bench/emulator_fit.py contention fits them)")
     p.add_argument("--registration-timeout", type=float, default=60.0,
                    help="push decode: seconds to wait for the prefill's WRITE before the request fails")

@@ -62,11 +62,12 @@ def profile_for(args: argparse.Namespace) -> EmulatorProfile:
     if args.kv_cache_blocks is not None:
         changes["num_blocks"] = args.kv_cache_blocks
     if args.contention is not None:
-        fixed, _, per_rps = args.contention.partition(",")
+        share, _, per_seq_ms = args.contention.partition(",")
         try:
-            both = {"fixed": float(fixed), "per_request_per_second": float(per_rps)}
+            both = {"share": float(share), "per_sequence_s": float(per_seq_ms) / 1000}
         except ValueError:
-            raise SystemExit(f"disagg emulator: --contention wants FIXED,PER_RPS, got {args.contention!r}") from None
+            raise SystemExit(f"disagg emulator: --contention wants SHARE,PER_SEQUENCE_MS, got "
+                             f"{args.contention!r}") from None
         changes["contention"] = {"prefill": both, "decode": both}
     if not changes:
         return profile

@@ -5,7 +5,8 @@ A step of a continuous-batching engine costs (`scheduler.step_seconds`):
     fixed + per_prefill_token x prompt tokens computed + per_sequence x sequences in the step
           + per_kv_token x KV tokens the step's sequences read + per_attention_pair x (query, key) pairs
 
-times the role's contention factor (`Contention`: what the serving path around the engine takes from its core).
+then the role's contention (`Contention`: what the serving path around the engine takes from its core) is added:
+the step times a share, plus a cost per sequence in the step.
 
 The fixed part is what every step pays (reading the weights once, the scheduler); a prefill chunk pays for each
 of its tokens, a decoding sequence for its one token and its sampling (per sequence); the KV term is attention
@@ -56,19 +57,19 @@ class TransferCosts(Params):
 
 
 class Contention(Params):
-    """How much slower one role's steps run while the rest of the serving path shares the engine's core (its API
-    server streaming, the router, the client, the transfer's host side, the other engines). A step's cost is
-    multiplied by `factor(r)`, r the requests per second the engine finished over the profile's
-    `contention_window_s`: the serving work done, which past saturation stops growing with the load offered. Both
-    parts are 0 where an engine owns its compute (a GPU's)."""
+    """How much longer one role's steps take while the rest of the serving path shares the engine's core (its API
+    server streaming, the router, the client, the transfer's host side): a step of `seqs` sequences that the
+    model prices at `seconds` takes `seconds x (1 + share) + per_sequence_s x seqs`. Both parts are 0 where an
+    engine owns its compute (a GPU's)."""
 
-    fixed: float = Field(default=0.0, ge=0)
-    """The share added to every step while the engine serves at all."""
-    per_request_per_second: float = Field(default=0.0, ge=0)
-    """The share added per request per second: the serving path's work grows with the requests served."""
+    share: float = Field(default=0.0, ge=0)
+    """The part of every step added while the engine serves: the host's serving work taking turns on its core."""
+    per_sequence_s: float = Field(default=0.0, ge=0)
+    """Seconds added per sequence in the step: each token it streams crosses the serving path (detokenized and
+    framed by the API server, relayed by the router, read by the client) on the same cores."""
 
-    def factor(self, requests_per_second: float) -> float:
-        return 1.0 + self.fixed + self.per_request_per_second * max(0.0, requests_per_second)
+    def apply(self, seconds: float, seqs: int) -> float:
+        return seconds * (1.0 + self.share) + self.per_sequence_s * seqs if seqs else 0.0
 
 
 class RoleContention(Params):
@@ -111,8 +112,6 @@ class EmulatorProfile(Params):
     transfer: TransferCosts
     contention: RoleContention = Field(default_factory=RoleContention)
     """Per role, how much the serving path around an engine slows its steps (see Contention)."""
-    contention_window_s: float = Field(default=10.0, gt=0)
-    """The window over which an engine counts the requests it finished, for its contention."""
 
     def model_post_init(self, _context: object) -> None:
         if -(-self.max_model_len // self.block_size) > self.num_blocks:
@@ -130,13 +129,11 @@ class EmulatorProfile(Params):
         def times(costs: StepCosts | TransferCosts) -> dict[str, float]:
             return {k: v * factor for k, v in costs.model_dump().items()}
 
-        # A rate's unit is 1/s, so the per-rate share scales with the durations: the same load, faster or slower.
-        contention = {role: {"fixed": c.fixed, "per_request_per_second": c.per_request_per_second * factor}
+        contention = {role: {"share": c.share, "per_sequence_s": c.per_sequence_s * factor}
                       for role, c in (("prefill", self.contention.prefill), ("decode", self.contention.decode))}
         return EmulatorProfile.model_validate({
             **self.model_dump(), "name": self.name, "api_latency_s": self.api_latency_s * factor,
-            "step": times(self.step), "transfer": times(self.transfer), "contention": contention,
-            "contention_window_s": self.contention_window_s * factor})
+            "step": times(self.step), "transfer": times(self.transfer), "contention": contention})
 
 
 GiB = 1 << 30
@@ -152,8 +149,9 @@ CPU_KV64K = EmulatorProfile(
         "capacity: 1 GiB / (64 KiB x 128 tokens) = 128 blocks, as vLLM reports it (`vllm:cache_config_info`)",
         "limits: vLLM 0.32's CPU defaults (engine/arg_utils.py: 2048 batched tokens, 128 sequences)",
         "contention: fitted by `bench/emulator_fit.py contention` (bench/results/emulator_contention.json) to the "
-        "real arm of the check of 2026-12-07 (the engines serving through the router on a rate ramp, where their "
-        "decode steps ran 1.2-1.6x the calibrated ones)",
+        "real arm of the morning check of 2026-12-07 (the engines serving through the router on a rate ramp, where "
+        "their decode steps ran 1.2-1.6x the calibrated ones); a cost per sequence instead of the decode's share "
+        "fitted worse against the next check (docs/benchmarks.md)",
     ),
     served_model_name="tiny",
     block_size=128,
@@ -171,8 +169,7 @@ CPU_KV64K = EmulatorProfile(
     step=StepCosts(fixed_s=0.0209, per_prefill_token_s=0.00733, per_sequence_s=0.00598, per_kv_token_s=1.14e-5,
                    per_attention_pair_s=1.27e-6),
     transfer=TransferCosts(fixed_s=0.00234, per_token_s=3.42e-5),
-    contention=RoleContention(prefill=Contention(fixed=0.1, per_request_per_second=0.0),
-                              decode=Contention(fixed=0.25, per_request_per_second=0.0)),
+    contention=RoleContention(prefill=Contention(share=0.1), decode=Contention(share=0.25)),
 )
 
 # Qwen3-32B (its config.json): 64 layers, hidden 5120, 64 query and 8 KV heads of dim 128, 32.8e9 parameters.

@@ -17,12 +17,11 @@ sequence is never both scheduled and preempted.
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .profiles import EmulatorProfile, StepCosts
+from .profiles import Contention, EmulatorProfile, StepCosts
 
 Phase = Literal["new", "running", "remote_new", "remote_wait", "remote_ready"]
 """- new: waiting to be admitted (first time, or after a preemption); it computes its prompt here;
@@ -134,11 +133,11 @@ def plan_step(running: Sequence[SeqView], waiting: Iterable[SeqView], free_block
     return StepPlan(tuple(scheduled), ())
 
 
-def step_seconds(plan: StepPlan, costs: StepCosts) -> float:
+def step_seconds(plan: StepPlan, costs: StepCosts, contention: Contention | None = None) -> float:
     """What the step costs. A sequence that computes one token is decoding (per sequence: an output token, or the
     last prompt token a P/D decode computes again after its KV landed, which costs as much); one that computes more
     runs a prefill chunk (per prefill token and attention pair; a recompute after preemption is one too). A step
-    that computes nothing costs 0."""
+    that computes nothing costs 0. `contention` adds the serving path's part (profiles.Contention)."""
     prefill = seqs = kv = pairs = 0
     for s in plan.scheduled:
         if not s.tokens:
@@ -151,13 +150,7 @@ def step_seconds(plan: StepPlan, costs: StepCosts) -> float:
         pairs += s.tokens * s.start + s.tokens * (s.tokens + 1) // 2
     if not seqs:
         return 0.0
-    return (costs.fixed_s + costs.per_prefill_token_s * prefill + costs.per_sequence_s * seqs
-            + costs.per_kv_token_s * kv + costs.per_attention_pair_s * pairs)
+    model = (costs.fixed_s + costs.per_prefill_token_s * prefill + costs.per_sequence_s * seqs
+             + costs.per_kv_token_s * kv + costs.per_attention_pair_s * pairs)
+    return contention.apply(model, seqs) if contention is not None else model
 
-
-def recent_rate(arrivals: deque[float], now: float, window: float) -> float:
-    """Arrivals per second over the `window` seconds up to `now`. `arrivals` is oldest first; those older than the
-    window are dropped from it."""
-    while arrivals and arrivals[0] < now - window:
-        arrivals.popleft()
-    return len(arrivals) / window

@@ -135,11 +135,11 @@ def test_the_crd_offers_the_emulators_profiles_and_bounds_its_capacity():
 
 def test_a_contention_flag_replaces_the_profiles_for_the_engines_role_and_junk_is_refused():
     args = command_line(emulated({}), "decode")
-    args.contention = "0.2,0.05"
+    args.contention = "0.2,7.5"
     c = profile_for(args).contention.of("decode")
-    assert (c.fixed, c.per_request_per_second) == (0.2, 0.05)
+    assert (c.share, c.per_sequence_s) == (0.2, 0.0075)
     args.contention = "lots"
-    with pytest.raises(SystemExit, match="FIXED,PER_RPS"):
+    with pytest.raises(SystemExit, match="SHARE,PER_SEQUENCE_MS"):
         profile_for(args)
     args.contention = "-1,0"
     with pytest.raises(SystemExit):

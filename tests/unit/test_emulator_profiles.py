@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.connector.emulator.profiles import CPU_KV64K, PROFILES, QWEN3_32B_TP4_P5EN, EmulatorProfile
+from disagg.connector.emulator.profiles import CPU_KV64K, PROFILES, QWEN3_32B_TP4_P5EN, Contention, EmulatorProfile
 from disagg.connector.emulator.scheduler import Scheduled, StepPlan, step_seconds
 from disagg.connector.wire import emulator as contract
 
@@ -27,10 +27,13 @@ def test_cpu_kv64k_is_the_calibrations_fit():
     for key, value in fit["transfer"].items():
         assert getattr(CPU_KV64K.transfer, key) == pytest.approx(value, rel=0.01, abs=1e-9), key
     assert CPU_KV64K.api_latency_s == pytest.approx(fit["api_latency_s"], rel=0.01)
+    # The fit ran with the first form of contention (a share, plus a share per request per second: 0 in the winner)
     contention = json.loads(CONTENTION.read_text())["fit"]
     for role in ("prefill", "decode"):
-        assert CPU_KV64K.contention.of(role).model_dump() == contention[role], role
-    assert QWEN3_32B_TP4_P5EN.contention.of("decode").factor(100.0) == 1.0, "a GPU owns its compute"
+        fit = contention[role]
+        assert fit["per_request_per_second"] == 0.0
+        assert CPU_KV64K.contention.of(role) == Contention(share=fit["fixed"]), role
+    assert QWEN3_32B_TP4_P5EN.contention.of("decode") == Contention(), "a GPU owns its compute"
     # 1 GiB of 64 KiB-per-token KV in blocks of 128: what vLLM reports for the real engine.
     assert CPU_KV64K.num_blocks == 128 and CPU_KV64K.kv_cache_tokens == 16384
 
@@ -68,9 +71,8 @@ def test_a_time_scale_multiplies_every_duration_and_keeps_the_capacity():
     assert half.step.per_attention_pair_s == pytest.approx(CPU_KV64K.step.per_attention_pair_s / 2)
     assert half.transfer.per_token_s == pytest.approx(CPU_KV64K.transfer.per_token_s / 2)
     assert half.api_latency_s == pytest.approx(CPU_KV64K.api_latency_s / 2)
-    # the same load on a twice-as-fast engine arrives twice as often: the same contention
     for role in ("prefill", "decode"):
-        assert half.contention.of(role).factor(4.0) == pytest.approx(CPU_KV64K.contention.of(role).factor(2.0))
-    assert half.contention_window_s == pytest.approx(CPU_KV64K.contention_window_s / 2)
+        c, h = CPU_KV64K.contention.of(role), half.contention.of(role)
+        assert (h.share, h.per_sequence_s) == pytest.approx((c.share, c.per_sequence_s / 2))
     assert (half.num_blocks, half.max_num_seqs, half.name) == (CPU_KV64K.num_blocks, CPU_KV64K.max_num_seqs,
                                                                CPU_KV64K.name)

@@ -3,8 +3,6 @@ policy: chunked prefill, first come first served, preemption, P/D decode admissi
 properties that hold for any queue: the budget, the free blocks and max_num_seqs are never exceeded."""
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,7 +14,6 @@ from disagg.connector.emulator.scheduler import (
     StepPlan,
     blocks_for,
     plan_step,
-    recent_rate,
     step_seconds,
 )
 
@@ -148,16 +145,11 @@ def test_a_plan_never_exceeds_the_budget_the_blocks_or_max_num_seqs(run_spec, wa
         assert s.start + s.tokens <= max(v.tokens, s.start) and s.start + s.tokens <= P.max_model_len
 
 
-def test_the_recent_rate_counts_the_windows_arrivals_and_forgets_older_ones():
-    arrivals = deque([0.0, 1.0, 5.0, 9.0, 10.0])
-    assert recent_rate(arrivals, 10.0, 5.0) == pytest.approx(3 / 5)
-    assert list(arrivals) == [5.0, 9.0, 10.0]
-    assert recent_rate(arrivals, 100.0, 5.0) == 0.0 and not arrivals
-
-
-def test_contention_stretches_a_step_by_its_fixed_share_and_its_share_per_request_per_second():
-    c = Contention(fixed=0.1, per_request_per_second=0.05)
-    assert c.factor(0.0) == pytest.approx(1.1)
-    assert c.factor(4.0) == pytest.approx(1.3)
-    assert Contention().factor(100.0) == 1.0  # an engine that owns its compute
+def test_contention_stretches_a_step_by_its_share_and_adds_its_cost_per_sequence():
+    c = Contention(share=0.1, per_sequence_s=0.005)
+    decode3 = StepPlan(tuple(Scheduled(str(i), 100, 1, 0) for i in range(3)), ())
+    model = step_seconds(decode3, COSTS)
+    assert step_seconds(decode3, COSTS, c) == pytest.approx(model * 1.1 + 3 * 0.005)
+    assert step_seconds(decode3, COSTS, Contention()) == pytest.approx(model), "an engine that owns its compute"
+    assert step_seconds(StepPlan((), ()), COSTS, c) == 0.0, "a step that computes nothing costs nothing"
     assert RoleContention(decode=c).of("decode") is c and RoleContention(decode=c).of("prefill") == Contention()
