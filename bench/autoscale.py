@@ -53,6 +53,7 @@ from typing import Any
 
 import aiohttp
 import result_file
+from interrupt import stop_cleanly_on_sigterm
 from lightkube import codecs
 from pd_client import dist
 
@@ -419,6 +420,7 @@ def main() -> int:
     if args.quick:
         args.base_s = args.step_s = args.back_s = args.diurnal_s = 60.0
         args.rounds, args.settle_s = 1, 30.0
+    stop_cleanly_on_sigterm()
     result = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(result_file.dumps(result) + "\n")

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import aiohttp
 import result_file
+from interrupt import stop_cleanly_on_sigterm
 from pd_client import ALPHABET, Result, direct_push, one, percentile_ratio_ci, quantile, via
 from pd_serving import RENDEZVOUS, RESULTS, Cell, Config, Phase, log, per_request, run_cell, scrape, sustained, warm
 from prometheus_client.parser import text_string_to_metric_families
@@ -606,6 +607,7 @@ def main() -> None:
         result["refit"] = " ".join(["bench/emulator_fit.py", *sys.argv[1:]])
     else:
         run = {"calibrate": calibrate, "check": check, "contention": fit_contention}[args.cmd]
+        stop_cleanly_on_sigterm()
         result = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(result_file.dumps(result) + "\n")

@@ -85,6 +85,7 @@ from typing import Any
 
 import aiohttp
 import result_file
+from interrupt import stop_cleanly_on_sigterm
 from pd_client import ALPHABET, percentile_ratio_ci, quantile, sse_events
 from pd_serving import VLLM_ROUTER_VERSION, vllm_router_python
 from router_stubs import cpu_seconds
@@ -790,6 +791,7 @@ DEFINITIONS = {
 
 
 def main() -> None:
+    stop_cleanly_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fleets", default="push,pull", help="push, pull or both (the peer runs on pull only)")
     p.add_argument("--arms", default=",".join(ARMS))

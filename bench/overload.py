@@ -42,6 +42,7 @@ from typing import Any
 
 import aiohttp
 import result_file
+from interrupt import stop_cleanly_on_sigterm
 from pd_client import Result, completion_body, percentile_ratio_ci, quantile, read_stream
 from pd_serving import Cell, arm_tag, workload
 from router_stubs import GC_PRELUDE, cpu_seconds, gc_pauses
@@ -387,6 +388,7 @@ DEFINITIONS = {
 
 
 def main() -> None:
+    stop_cleanly_on_sigterm()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--beds", default="emulator,real")
     p.add_argument("--time-scale", type=float, default=0.1, help="the emulators' --time-scale")

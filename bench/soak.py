@@ -50,6 +50,7 @@ from typing import Any
 
 import aiohttp
 import result_file
+from interrupt import stop_cleanly_on_sigterm
 from lightkube import codecs
 from pd_client import dist, quantile
 
@@ -624,6 +625,7 @@ def main() -> int:
         p.error(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
     if args.quick:
         args.seconds, args.quiet = 240.0, (10.0, 20.0)
+    stop_cleanly_on_sigterm()
     result = rereport(args.report) if args.report else asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(result_file.dumps(result) + "\n")
