@@ -32,8 +32,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import platform
 import random
 import sys
 import time
@@ -177,6 +175,7 @@ def parse_rates(text: str) -> list[float]:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    made = result_file.provenance()
     cfg = Config(cells=[], requests=args.requests, max_tokens=args.max_tokens, timeout=args.timeout, seed=args.seed,
                  warmup=args.warmup)
     logs = Path(args.logs or f"/tmp/disagg-capacity-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -187,9 +186,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     for spec in wanted:
         arms[spec.name] = await run_arm(spec, args, cfg, logs)
     return {
-        "benchmark": "capacity", "issue": 15, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **made, "benchmark": "capacity", "issue": 15, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join(["bench/capacity.py", *sys.argv[1:]]),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+        "machine": {**made["machine"],
                     "note": "one pair at a time: prefill on core 0, decode on core 1; the client shares the cores"},
         "config": {"rates": args.rates, "prompt_tokens": args.tokens, "requests_per_step": args.requests,
                    "max_tokens": args.max_tokens, "delay_us": args.delay_us, "seed": args.seed,

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
-import platform
 import random
 import sys
 import time
@@ -245,6 +243,7 @@ def _p50(values: list[float]) -> float | None:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    made = result_file.provenance()
     cfg = Config(cells=parse_cells(args.cells), requests=args.requests, max_tokens=args.max_tokens,
                  timeout=args.timeout, seed=args.seed, warmup=args.warmup)
     logs = cache_dir() / "bench-logs" / time.strftime("cluster-path-%Y%m%d-%H%M%S")
@@ -258,8 +257,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         timeline.stop()
     local, cluster = arms["local-router-push"], arms["cluster-router-push"]
     return {
-        "benchmark": "cluster_path", "issue": 13, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+        **made, "benchmark": "cluster_path", "issue": 13, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {**made["machine"],
                     "note": "one pair at a time: prefill on core 0, decode on core 1; the cluster (control "
                             "plane, kubelet, containerd, the operator, router and rendezvous pods) runs "
                             "throughout, under both arms"},

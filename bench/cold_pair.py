@@ -54,8 +54,6 @@ import asyncio
 import hashlib
 import json
 import math
-import os
-import platform
 import random
 import subprocess
 import sys
@@ -498,7 +496,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     if any(a != "no-plugin" for a in arms):
         plugin_dir = logs / "plugin"
         install_plugin(plugin_dir)
-    load0 = Path("/proc/loadavg").read_text().split()[:3]
+    made = result_file.provenance()
     started = time.monotonic()
     cfg.deadline = started + args.budget_s
     rendezvous: DisaggService | None = None
@@ -538,12 +536,13 @@ async def main_async(args: argparse.Namespace) -> dict:
                 for arm, r in results.items()}
     goal = (results.get("plugin") or {}).get("summary", {}).get("cold_over_warm_p50")
     return {
+        **made,
         "benchmark": "cold_pair",
         "issue": 5,
         "goal": "cold within 1.2x of warm with the plugin (cold_over_warm_p50 <= 1.2)",
         "goal_met": None if goal is None else goal <= 1.2,
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": load0,
+        "machine": {**made["machine"],
                     "note": "prefill on core 0, decode on core 1; each vLLM 0.32 CPU engine's NIXL progress thread "
                             "spins a core; the client shares those cores"},
         "config": {**{k: v for k, v in asdict(cfg).items() if k != "deadline"}, "budget_s": args.budget_s,

@@ -241,10 +241,12 @@ def main() -> None:
         side(args)
         return
     sys.path.insert(0, str(HERE))
+    import result_file
     from pd_serving import abba
 
     from disagg.devcluster import netns, vllm_env
 
+    made = result_file.provenance()
     python = str(vllm_env.ensure(quiet=True))
     network = netns.Network(prefix="dgk", subnet="10.233.0.0/24")
     slots = network.setup(2)
@@ -264,8 +266,7 @@ def main() -> None:
         network.teardown()
     mib = args.regions * args.blocks * args.block_kib / 1024
     out = {
-        "benchmark": "kv_write", "issue": 15, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(sys.argv),
+        **made, "benchmark": "kv_write", "issue": 15, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {"mib_per_transfer": mib, "descriptors": args.regions * args.blocks, "block_kib": args.block_kib,
                    "ucx_tls": args.ucx_tls, "env": dict(args.env), "transfers_per_round": args.transfers,
                    "rounds": args.rounds, "gap_ms": args.gap_ms,
@@ -280,8 +281,6 @@ def main() -> None:
                      # [round, transfer, done ms, notified ms]
                      "rows": rows} for a, rows in results.items()},
     }
-    sys.path.insert(0, str(HERE))
-    import result_file
     Path(args.out).write_text(result_file.dumps(out) + "\n")
     for a, v in out["arms"].items():
         print(f"{a:10s} done p50 {v['done']['p50_ms']:7.1f} p99 {v['done']['p99_ms']:7.1f}   notified p50 "

@@ -437,6 +437,7 @@ def main() -> None:
                    help="first run the control plane alone on its own cluster: the burst's children applied by "
                         "the bench, no operator (the floor the operator's time is judged against)")
     args = p.parse_args()
+    made = result_file.provenance()
 
     build.ensure_built(quiet=True)
     floor = run_floor(args) if args.floor else None
@@ -571,6 +572,7 @@ def main() -> None:
         all_crs = args.crs + args.solo
 
         result = {
+            **made,
             "benchmark": "operator_scale",
             "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "command": " ".join(["python", "bench/operator_scale.py", *sys.argv[1:]]),

@@ -53,8 +53,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import platform
 import random
 import subprocess
 import sys
@@ -1016,7 +1014,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     log(f"engine and router logs: {logs}")
     started = time.monotonic()
-    load0 = Path("/proc/loadavg").read_text().split()[:3]
+    made = result_file.provenance()
     phases: dict[str, dict] = {}
     engine_options = dict(parse_option(o) for o in args.engine_option)
     spec_fields = sorted(f.name for f in dataclasses.fields(EngineSpec))
@@ -1062,10 +1060,11 @@ async def main_async(args: argparse.Namespace) -> dict:
             segments.setdefault(a.arm, []).append(a)
     results = {arm: merge_segments(s) for arm, s in segments.items()}
     return {
+        **made,
         "benchmark": "pd_serving",
         "issue": 4,
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg_at_start": load0,
+        "machine": {**made["machine"],
                     "note": "each vLLM 0.32 CPU engine's NIXL progress thread spins a core; prefill on core 0, "
                             "decode on core 1; the client and routers share those cores"
                             + ("" if plugin_dir else "; without the plugin vLLM's NIXL worker moves both P/D "

@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import random
 import subprocess
 import sys
@@ -286,6 +284,7 @@ def headline(results: list[Sent], changes: list[dict[str, Any]]) -> dict[str, An
 
 # -- the run -----------------------------------------------------------------------------------------------------
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    made = result_file.provenance()
     started = time.monotonic()
     c = LocalCluster(ClusterConfig(name="bench-rollout", real_node=True))
     c.start(progress=lambda m: log(f"  {m}"))
@@ -323,8 +322,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         windows = {w: window_stats([r for r in stream.results if r.window == w])
                    for w in ["steady", *(ch["name"] for ch in changes)]}
         return {
-            "benchmark": "rollout", "issue": 14, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+            **made, "benchmark": "rollout", "issue": 14, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": {**made["machine"],
                         "note": "the tiny-cpu example on the real node; during a layout rollout four engines "
                                 "share two cores (prefill core 0, decode core 1), three while decode is 2"},
             "config": {"rate_per_s": args.rate, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,

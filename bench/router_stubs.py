@@ -34,7 +34,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -295,6 +294,7 @@ def parse_rates(text: str) -> list[float]:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    made = result_file.provenance()
     default = [a for a in ARMS if args.before or not a.startswith("before-")]
     wanted = [a for a in args.arms.split(",") if a] if args.arms else default
     if set(wanted) - set(ARMS):
@@ -363,11 +363,11 @@ async def main_async(args: argparse.Namespace) -> dict:
             p.stop()
     modes = {a.name: a.mode for a in arms}
     return {
+        **made,
         "benchmark": "router_stubs",
         "issue": 15,
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(sys.argv),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+        "machine": {**made["machine"],
                     "router_core": args.router_core,
                     "note": f"the router under test alone on core {args.router_core}; the two stubs and this client "
                             f"on core {other}"},

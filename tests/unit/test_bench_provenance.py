@@ -1,0 +1,67 @@
+"""Every benchmark result records how it was made: the command, the commit and the machine (with its load), as
+bench/result_file.py's provenance() gives them. The scripts are read as text, never imported or run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+RESULTS = BENCH / "results"
+PROVENANCE = ("command", "commit", "machine")
+# Writes "command", "commit" and "machine" itself (its commit is dirty only for the files it fits from).
+OWN_PROVENANCE = {"emulator_fit.py"}
+
+# Made before results recorded their provenance. Re-running a benchmark replaces its file, and then the file must
+# have it: the script that writes it merges result_file.provenance() into its result.
+LEGACY = {
+    "capacity.json",
+    "cluster_path.json",
+    "cold_pair.json",
+    "cold_pair_decode_warmed.json",
+    "cold_pair_progress_nice.json",
+    "cold_pair_selfwarm.json",
+    "cold_pair_settled.json",
+    "cold_pair_write_warmup_ab.json",
+    "kv_write.json",
+    "operator_scale.json",
+    "operator_scale_1000.json",
+    "pd_busy_decode.json",
+    "pd_kv_start_ab.json",
+    "pd_push_notify_ab.json",
+    "pd_serving.json",
+    "pd_serving_router_abba.json",
+    "rollout.json",
+    "router_stubs.json",
+}
+
+
+def writers() -> list[Path]:
+    """The benchmarks that write a result file."""
+    return sorted(p for p in BENCH.glob("*.py") if "result_file.dumps(" in p.read_text())
+
+
+def test_every_benchmark_that_writes_a_result_records_its_provenance():
+    found = writers()
+    assert BENCH / "pd_serving.py" in found, "the search for result writers finds nothing: has result_file moved?"
+    missing = [p.name for p in found
+               if "result_file.provenance()" not in p.read_text() and p.name not in OWN_PROVENANCE]
+    assert not missing, f"these write a result without result_file.provenance(): {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(OWN_PROVENANCE))
+def test_a_benchmark_excused_from_provenance_writes_its_own(name):
+    text = (BENCH / name).read_text()
+    assert "result_file.dumps(" in text, f"{name} no longer writes a result: drop it from OWN_PROVENANCE"
+    assert all(f'"{key}":' in text for key in PROVENANCE), f"{name} no longer writes {PROVENANCE} itself"
+
+
+def test_every_result_file_records_its_provenance():
+    missing = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        result = json.loads(path.read_text())
+        lacks = [key for key in PROVENANCE if not isinstance(result, dict) or key not in result]
+        if lacks and path.name not in LEGACY:
+            missing[path.name] = lacks
+    assert not missing, f"results without their provenance (write them with result_file.provenance()): {missing}"
