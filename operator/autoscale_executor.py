@@ -86,8 +86,11 @@ def advertised(status: api.DisaggregatedInferenceStatus | None, role: Role) -> i
 
 class Autoscaler:
     def __init__(self, client: AsyncClient, decisions: PlannerDecisions | None = None, *, timeout: float = 3.0,
-                 concurrency: int = 32, clock: Callable[[], float] = time.monotonic) -> None:
+                 concurrency: int = 32, clock: Callable[[], float] = time.monotonic,
+                 window_seconds: float | None = None) -> None:
         self.client = client
+        self.window_seconds = window_seconds
+        """The arrivals and latencies each tick reads span this much (None: the time since the last tick)."""
         self.decisions = decisions or PlannerDecisions()
         self.timeout = timeout
         self._clock = clock
@@ -136,7 +139,8 @@ class Autoscaler:
         this = tracker.Scrape(at, snapshot[names.ROUTER], snapshot["prefill"], snapshot["decode"])
         startup = float(cr.spec.rollout.startup_seconds or tracker.STARTUP_SECONDS)
         try:
-            observed, self._memory[key] = tracker.observe(memory, this, counts, pol.percentile, startup)
+            observed, self._memory[key] = tracker.observe(memory, this, counts, pol.percentile, startup,
+                                                          self.window_seconds)
         except ValueError as e:
             self._memory[key] = tracker.Memory(last=this)
             self._cannot(key, post, str(e))

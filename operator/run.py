@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"Service, {DEFAULT_RENDEZVOUS_TEMPLATE}")
     p.add_argument("--autoscale-seconds", type=float, default=15.0,
                    help="how often the autoscaling planner observes and decides, for each CR with spec.autoscaling")
+    p.add_argument("--autoscale-window-seconds", type=float, default=None,
+                   help="how far back each decision reads arrivals, tokens and latencies (default: the time since "
+                        "the last decision); longer than --autoscale-seconds, frequent decisions see a step in "
+                        "load (and the queues it builds) sooner without reading rates off a few requests")
     p.add_argument("--transport-poll-seconds", type=float, default=30.0,
                    help="how often every deployment's rendezvous is read (in the background; default 30)")
     p.add_argument("--rendezvous-timeout", type=float, default=2.0,
@@ -92,6 +96,8 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit("disagg operator: --max-concurrent-passes must be at least 1")
     if args.autoscale_seconds <= 0:
         raise SystemExit("disagg operator: --autoscale-seconds must be positive")
+    if args.autoscale_window_seconds is not None and args.autoscale_window_seconds < args.autoscale_seconds:
+        raise SystemExit("disagg operator: --autoscale-window-seconds must be at least --autoscale-seconds")
     if args.transport_poll_seconds <= 0 or args.rendezvous_timeout <= 0:
         raise SystemExit("disagg operator: --transport-poll-seconds and --rendezvous-timeout must be positive")
 
@@ -122,7 +128,8 @@ def main(args: argparse.Namespace) -> None:
             on_change=lambda key: handlers.transport_changed(memo, key, transport_log))
         memo.resync = asyncio.create_task(handlers.resync_forever(memo, logging.getLogger("disagg.resync")))
         memo.transport_poll = asyncio.create_task(handlers.poll_transports_forever(memo, args.transport_poll_seconds))
-        memo.autoscaler = Autoscaler(memo.reconciler.client, PLANNER_DECISIONS)
+        memo.autoscaler = Autoscaler(memo.reconciler.client, PLANNER_DECISIONS,
+                                     window_seconds=args.autoscale_window_seconds)
         memo.autoscale = asyncio.create_task(handlers.autoscale_forever(memo, args.autoscale_seconds))
 
     @kopf.on.cleanup()

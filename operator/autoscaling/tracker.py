@@ -4,8 +4,10 @@
 
 Invariants (tests/unit/test_autoscaling_tracker.py):
 - the first tick, and a tick after one that could not observe, gives no observation: a window needs two scrapes;
-- the window is the time between the two scrapes, never a nominal interval (a slow tick is a longer window);
-- idle time grows by each window without an arrival, and is 0 after one with an arrival;
+- the window is the time between the two scrapes, never a nominal interval (a slow tick is a longer window); with
+  `window_seconds`, it reaches back to the newest earlier scrape at least that old (or the oldest kept), so ticks
+  can come more often than the window they read: the queues and KV are each tick's own, the rates a window's;
+- idle time grows by each tick without an arrival, and is 0 after one with an arrival;
 - `ready` counts a role's engines advertised in the rendezvous, at most its desired count; the rest of `desired`
   is `starting` until the planner has waited `startup_seconds` for it, then nothing (engines that cannot start, a
   pod that cannot be scheduled, must not hold the planner forever);
@@ -19,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..rollout.state import ROLES, Role
 from . import scrape
-from .observed import Observed, RoleObserved
+from .observed import Observed, RoleObserved, RouterWindow
 
 STARTUP_SECONDS = 900.0
 """How long the planner waits for engines it asked for when spec.rollout.startupSeconds is unset."""
@@ -53,25 +55,41 @@ class Memory:
     """What one tick leaves for the next."""
 
     last: Scrape | None = None
+    earlier: tuple[Scrape, ...] = ()
+    """With a window longer than the tick: the scrapes before `last` that a later window may still start from,
+    oldest first."""
     idle_seconds: float = 0.0
     waiting_since: float | None = None
     """When the planner began to wait for engines that are not advertised yet; None while none are missing."""
 
 
 def observe(memory: Memory, now: Scrape, counts: Mapping[Role, RoleCounts], percentile: float,
-            startup_seconds: float = STARTUP_SECONDS) -> tuple[Observed | None, Memory]:
-    """The observation from `memory`'s last scrape to `now`, and the memory for the next tick. Raises ValueError
-    (from `scrape`) when a source is not what it should be; the memory to keep then is `Memory(last=now)`."""
+            startup_seconds: float = STARTUP_SECONDS,
+            window_seconds: float | None = None) -> tuple[Observed | None, Memory]:
+    """The observation from `memory`'s last scrape (or, with `window_seconds`, the newest kept scrape at least that
+    long before `now`) to `now`, and the memory for the next tick. Raises ValueError (from `scrape`) when a source
+    is not what it should be; the memory to keep then is `Memory(last=now)`."""
     missing = any(counts[r].advertised < counts[r].desired for r in ROLES)
     waiting_since = (memory.waiting_since if memory.waiting_since is not None else now.at) if missing else None
     if memory.last is None:
         return None, Memory(last=now, waiting_since=waiting_since)
-    seconds = now.at - memory.last.at
-    if not seconds > 0:
-        raise ValueError(f"scrapes {seconds} s apart: the clock must move forward between ticks")
-    window = scrape.window((memory.last.routers, now.routers), (memory.last.prefill, now.prefill),
-                           (memory.last.decode, now.decode), seconds, percentile)
-    idle = 0.0 if window.arrivals else memory.idle_seconds + seconds
+    last = memory.last
+    tick = now.at - last.at
+    if not tick > 0:
+        raise ValueError(f"scrapes {tick} s apart: the clock must move forward between ticks")
+    kept = (*memory.earlier, last)
+    base = last
+    if window_seconds is not None:
+        old_enough = [s for s in kept if now.at - s.at >= window_seconds]
+        base = old_enough[-1] if old_enough else kept[0]
+
+    def between(a: Scrape, seconds: float) -> RouterWindow:
+        return scrape.window((a.routers, now.routers), (a.prefill, now.prefill), (a.decode, now.decode), seconds,
+                             percentile)
+
+    window = between(base, now.at - base.at)
+    arrived = window.arrivals if base is last else between(last, tick).arrivals
+    idle = 0.0 if arrived else memory.idle_seconds + tick
     window = replace(window, idle_seconds=idle)
     given_up = waiting_since is not None and now.at - waiting_since >= startup_seconds
 
@@ -83,4 +101,5 @@ def observe(memory: Memory, now: Scrape, counts: Mapping[Role, RoleCounts], perc
                             load=scrape.engine_load(now.engines(r)))
 
     observed = Observed(window=window, prefill=role("prefill"), decode=role("decode"))
-    return observed, Memory(last=now, idle_seconds=idle, waiting_since=waiting_since)
+    earlier = tuple(s for s in kept if s.at >= base.at) if window_seconds is not None else ()
+    return observed, Memory(last=now, earlier=earlier, idle_seconds=idle, waiting_since=waiting_since)

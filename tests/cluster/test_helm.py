@@ -131,7 +131,7 @@ def test_all_options_render_roles_per_namespace_peering_and_a_service_monitor():
     assert ["--namespace=inference-a", "--namespace=inference-b"] == [a for a in args if a.startswith("--namespace")]
     assert "--all-namespaces" not in args
     for arg in ("--peering=platform-dinf", "--verbose", "--priority=100", "--resync-seconds=120",
-                "--autoscale-seconds=5",
+                "--autoscale-seconds=5", "--autoscale-window-seconds=15",
                 "--metrics-port=9090", "--liveness=http://0.0.0.0:9081/healthz",
                 "--operator-image=registry.example.com:5000/mirror/disagg-runtime:0.1.0-rc1"):
         assert arg in args

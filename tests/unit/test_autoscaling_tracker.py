@@ -4,6 +4,9 @@ router's own registry after admission saw requests, and the engine emulator's me
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -73,6 +76,28 @@ def test_idle_time_adds_up_over_windows_without_arrivals_and_restarts_at_an_arri
     assert observed is not None and observed.window.idle_seconds == 0.0
     observed, memory = tracker.observe(memory, fleet.scrape(55.0), counts(), P90)
     assert observed is not None and observed.window.idle_seconds == pytest.approx(5.0)
+
+
+def test_with_a_window_longer_than_the_tick_each_tick_reads_the_window_behind_it():
+    fleet = Fleet()
+    _, memory = tracker.observe(tracker.Memory(), fleet.scrape(0.0), counts(), P90, window_seconds=15)
+    asyncio.run(admit(fleet.router, 10))
+    seen = []
+    for t in (5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0):
+        observed, memory = tracker.observe(memory, fleet.scrape(t), counts(), P90, window_seconds=15)
+        assert observed is not None
+        seen.append((observed.window.seconds, observed.window.arrivals, observed.window.idle_seconds))
+        assert len(memory.earlier) <= 4, "only the scrapes a later window may start from are kept"
+    # the 10 arrivals (before t=5) stay in every window that starts at 0, then leave; idle counts ticks
+    assert seen == [(5, 10, 0), (10, 10, 5), (15, 10, 10), (15, 0, 15), (15, 0, 20), (15, 0, 25), (15, 0, 30)]
+    # the same ticks without window_seconds read each tick alone
+    fleet = Fleet()
+    _, memory = tracker.observe(tracker.Memory(), fleet.scrape(0.0), counts(), P90)
+    asyncio.run(admit(fleet.router, 10))
+    observed, memory = tracker.observe(memory, fleet.scrape(5.0), counts(), P90)
+    observed, memory = tracker.observe(memory, fleet.scrape(10.0), counts(), P90)
+    assert observed is not None and (observed.window.seconds, observed.window.arrivals) == (5, 0)
+    assert memory.earlier == ()
 
 
 def test_engines_not_advertised_are_starting_until_the_startup_budget_is_spent():
@@ -153,3 +178,11 @@ def test_advertised_sums_every_revision():
         api.RevisionStatus(name="b", current=True, prefill=api.RevisionRoleStatus(advertised=1))])
     assert (advertised(status, "prefill"), advertised(status, "decode")) == (3, 1)
     assert advertised(None, "prefill") == 0
+
+
+def test_the_operator_refuses_a_window_shorter_than_its_tick():
+    disagg = str(Path(sys.executable).with_name("disagg"))
+    done = subprocess.run([disagg, "operator", "--autoscale-seconds", "5",
+                           "--autoscale-window-seconds", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--autoscale-window-seconds must be at least --autoscale-seconds" in done.stderr
