@@ -337,6 +337,16 @@ def summarize(arm: dict[str, Any], phases: list[Phase], args: argparse.Namespace
     }
 
 
+def operator_values(args: argparse.Namespace) -> dict[str, object]:
+    """The chart's operator values this run sets (its planner's tick and window); empty: the chart's defaults."""
+    out: dict[str, object] = {}
+    if args.autoscale_seconds is not None:
+        out["autoscaleSeconds"] = args.autoscale_seconds
+    if args.autoscale_window_seconds is not None:
+        out["autoscaleWindowSeconds"] = args.autoscale_window_seconds
+    return out
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     made = result_file.provenance()
     phases = trace(args)
@@ -348,7 +358,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         assert c.node is not None
         if "keda" in order:
             c.start_keda(progress=lambda m: log(f"  {m}"))
-        demo._helm_install(c, c.node.images["disagg"])
+        demo._helm_install(c, c.node.images["disagg"], operator_values(args))
         demo_node.prepare(c, c.node.spec.name)
         for i, arm in enumerate(order):
             log(f"arm {i + 1}/{len(order)}: {arm}")
@@ -382,6 +392,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                        "static": args.static, "prefill_tps": args.prefill_tps, "decode_tps": args.decode_tps,
                        "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "percentile": 90},
                        "settle_s": args.settle_s, "scale_down_cooldown_s": args.scale_down_cooldown,
+                       "operator": operator_values(args),
                        "keda_waiting": args.keda_waiting,
                        "deployment": "cpu-kv64k engine emulators on the real node, push, 1 router"},
             "headline": headline, "arms": arms}
@@ -406,6 +417,10 @@ def main() -> int:
     p.add_argument("--scale-down-cooldown", type=int, default=60,
                    help="the planner arm's spec.autoscaling.scaleDown.cooldownSeconds (the CR's default, 300, is "
                    "longer than this trace's phases)")
+    p.add_argument("--autoscale-seconds", type=float, default=None,
+                   help="the operator's --autoscale-seconds (the planner's tick; default: the chart's, 15)")
+    p.add_argument("--autoscale-window-seconds", type=float, default=None,
+                   help="the operator's --autoscale-window-seconds (default: the chart's, one tick)")
     p.add_argument("--settle-s", type=float, default=45, help="seconds into a flat phase before it counts as steady")
     p.add_argument("--arms", type=lambda s: tuple(s.split(",")), default=("planner", "static", "keda"),
                    help="arms in round 1's order (later rounds alternate it): planner, static, keda")

@@ -27,8 +27,9 @@ RELEASE = "disagg"
 RELEASE_NAMESPACE = "disagg-system"
 
 
-def _helm_install(c: LocalCluster, operator_image: str) -> None:
-    """The chart with the locally built image, placed on the real node (the only node that runs containers)."""
+def _helm_install(c: LocalCluster, operator_image: str, operator: dict[str, object] | None = None) -> None:
+    """The chart with the locally built image, placed on the real node (the only node that runs containers);
+    `operator`: chart values under `operator` (its flags), beyond the chart's defaults."""
     from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
 
     repository, tag = operator_image.rsplit(":", 1)
@@ -37,6 +38,7 @@ def _helm_install(c: LocalCluster, operator_image: str) -> None:
         "image": {"operator": {"repository": repository, "tag": tag, "pullPolicy": "Never"}},
         "nodeSelector": {CPU_ENGINES_LABEL: CPU_ENGINES_VALUE},
         "tolerations": [{**CPU_ENGINES_TAINT, "operator": "Equal"}],
+        **({"operator": operator} if operator else {}),
     }))
     subprocess.run([str(c.bin / "helm"), f"--kubeconfig={c.kubeconfig}", "install", RELEASE, str(CHART),
                     "--namespace", RELEASE_NAMESPACE, "--create-namespace", "-f", str(values), "--wait",
