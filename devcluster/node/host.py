@@ -3,7 +3,7 @@
 A node changes sysctls (the kubelet sets kernel.panic, panic_on_oops and vm.overcommit_memory; kube-proxy
 route_localnet; pods need ip_forward), iptables (kube-proxy's and the kubelet's chains, CNI's NAT chains), the
 `cni0` bridge, the kubepods cgroups, mounts (pod network namespaces, container root filesystems, the kubelet's
-own bind mount) and a few fixed paths. The snapshot is written to disk before anything changes, so a run that
+own bind mount), the pod sandboxes' named network namespaces and a few fixed paths. The snapshot is written to disk before anything changes, so a run that
 was killed is restored by the next one (`recover`).
 """
 from __future__ import annotations
@@ -22,6 +22,9 @@ SYSCTLS = ("net.ipv4.ip_forward", "kernel.panic", "kernel.panic_on_oops", "vm.ov
 FIXED_PATHS = ("/var/lib/kubelet", "/var/log/containers", "/var/log/pods", "/run/containerd", "/run/netns",
                "/var/run/netns", "/var/lib/cni", "/etc/cni", "/opt/cni")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+NETNS_DIR = "/var/run/netns"
+POD_NETNS_PREFIX = "cni-"
+"""containerd's name for a pod sandbox's network namespace."""
 IPTABLES = (("iptables-save", "iptables-restore", "iptables"), ("ip6tables-save", "ip6tables-restore", "ip6tables"))
 TABLES = ("filter", "nat", "mangle", "raw")
 
@@ -82,6 +85,7 @@ class HostSnapshot:
         """Put everything back; return what could not be (each a line naming the setting and the error)."""
         problems: list[str] = []
         kill_pod_processes(self.absent_cgroups)
+        problems += remove_netns(POD_NETNS_PREFIX)
         roots = [self.node_dir, *self.absent_paths]
         for target in mounts_under(roots):
             r = subprocess.run(["umount", "-l", target], capture_output=True, text=True)
@@ -150,6 +154,20 @@ def mounts_under(roots: list[str]) -> list[str]:
         if any(target == r or target.startswith(r.rstrip("/") + "/") for r in roots):
             out.append(target)
     return list(reversed(out))
+
+
+def remove_netns(prefix: str) -> list[str]:
+    """Delete every named network namespace whose name starts with `prefix`; what could not be deleted. The pod
+    sandboxes' namespaces (POD_NETNS_PREFIX) outlive a kubelet and containerd that are stopped rather than told to
+    tear their pods down, and nothing else removes them; one real node runs per host, so once its pods are killed
+    none is in use."""
+    problems = []
+    for name in sorted(os.listdir(NETNS_DIR)) if os.path.isdir(NETNS_DIR) else []:
+        if name.startswith(prefix):
+            r = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
+            if r.returncode != 0:
+                problems.append(f"ip netns delete {name}: {r.stderr.strip()}")
+    return problems
 
 
 def kill_pod_processes(cgroups: list[str]) -> None:
