@@ -3,8 +3,8 @@
 A node changes sysctls (the kubelet sets kernel.panic, panic_on_oops and vm.overcommit_memory; kube-proxy
 route_localnet; pods need ip_forward), iptables (kube-proxy's and the kubelet's chains, CNI's NAT chains), the
 `cni0` bridge, the kubepods cgroups, mounts (pod network namespaces, container root filesystems, the kubelet's
-own bind mount), the pod sandboxes' named network namespaces and a few fixed paths. The snapshot is written to disk before anything changes, so a run that
-was killed is restored by the next one (`recover`).
+own bind mount), the pod sandboxes' named network namespaces and a few fixed paths. The snapshot is written to
+disk before anything changes, so a run that was killed is restored by the next one (`recover`).
 """
 from __future__ import annotations
 
