@@ -501,6 +501,20 @@ def _autoscale(name: str, d: dict[str, Any]) -> Iterator[Row]:
         if (ratio := h.get(f"{arm}_over_static_replica_seconds")) is not None:
             yield Row("autoscale", f"{arm} / static fleet sized for the peak: replica-seconds", ratio, "x", name,
                       None, Goal("<=", 0.6, "issue 35") if arm == "planner" else None, "the same trace")
+    planner, keda = h.get("planner"), h.get("keda")
+    if planner and keda:
+        def mean(xs: list[float | None]) -> float | None:
+            vals = [x for x in xs if x is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        p_slo, k_slo = mean(planner["slo_attainment"]), mean(keda["slo_attainment"])
+        if p_slo is not None and k_slo is not None:
+            yield Row("autoscale", "planner - KEDA arm: SLO attainment, mean of rounds", round(p_slo - k_slo, 4), "",
+                      name, None, Goal(">=", 0, "issue 35"), f"planner {p_slo:.4f}, KEDA {k_slo:.4f}")
+        p_rs, k_rs = mean(planner["replica_seconds"]), mean(keda["replica_seconds"])
+        if p_rs and k_rs:
+            yield Row("autoscale", "planner / KEDA arm: replica-seconds", round(p_rs / k_rs, 3), "x", name, None,
+                      Goal("<=", 1, "issue 35"), "the same trace, mean of rounds")
 
 
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
