@@ -346,14 +346,19 @@ def router_window(before: Snapshot, after: Snapshot, seconds: float, percentile:
         raise ValueError("no router was scraped: a window without routers would read as no load")
     _require(after, (ROUTER_ADMITTED, ROUTER_REJECTED, ROUTER_QUEUE), "a disagg router")
     rejected = round(increase(before, after, ROUTER_REJECTED))
-    arrivals = round(increase(before, after, ROUTER_ADMITTED)) + rejected
     # The window checks itself (the percentile among the rest) before the quantiles are read at that percentile.
-    counted = RouterWindow(seconds=seconds, arrivals=arrivals, rejected=rejected,
+    arrived = arrivals(before, after)
+    counted = RouterWindow(seconds=seconds, arrivals=arrived, rejected=rejected,
                            queued=round(_gauge(after, ROUTER_QUEUE) + _gauge(after, ROUTER_PAIR_WAITING)),
                            percentile=percentile,
-                           idle_seconds=idle_seconds if idle_seconds is not None else 0.0 if arrivals else seconds)
+                           idle_seconds=idle_seconds if idle_seconds is not None else 0.0 if arrived else seconds)
     return replace(counted, ttft_ms=_percentile_ms(histogram_increase(before, after, ROUTER_TTFT), percentile),
                    handoff_ms=_percentile_ms(histogram_increase(before, after, ROUTER_HANDOFF), percentile))
+
+
+def arrivals(before: Snapshot, after: Snapshot) -> int:
+    """Requests the routers took or refused between two scrapes: a window's arrivals (see `router_window`)."""
+    return round(increase(before, after, ROUTER_ADMITTED)) + round(increase(before, after, ROUTER_REJECTED))
 
 
 def _gauge(snapshot: Snapshot, name: str) -> float:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from ..rollout.state import ROLES, Role
 from . import scrape
-from .observed import Observed, RoleObserved, RouterWindow
+from .observed import Observed, RoleObserved
 
 STARTUP_SECONDS = 900.0
 """How long the planner waits for engines it asked for when spec.rollout.startupSeconds is unset."""
@@ -82,13 +82,9 @@ def observe(memory: Memory, now: Scrape, counts: Mapping[Role, RoleCounts], perc
     if window_seconds is not None:
         old_enough = [s for s in kept if now.at - s.at >= window_seconds]
         base = old_enough[-1] if old_enough else kept[0]
-
-    def between(a: Scrape, seconds: float) -> RouterWindow:
-        return scrape.window((a.routers, now.routers), (a.prefill, now.prefill), (a.decode, now.decode), seconds,
-                             percentile)
-
-    window = between(base, now.at - base.at)
-    arrived = window.arrivals if base is last else between(last, tick).arrivals
+    window = scrape.window((base.routers, now.routers), (base.prefill, now.prefill), (base.decode, now.decode),
+                           now.at - base.at, percentile)
+    arrived = window.arrivals if base is last else scrape.arrivals(last.routers, now.routers)
     idle = 0.0 if arrived else memory.idle_seconds + tick
     window = replace(window, idle_seconds=idle)
     given_up = waiting_since is not None and now.at - waiting_since >= startup_seconds
