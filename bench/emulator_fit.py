@@ -135,6 +135,7 @@ def emulated_pair(logs: Path, timeout: float, profile: str = "cpu-kv64k",
     rdv.start()
     rdv.wait_http(rdv.url + "/health")
     env = RENDEZVOUS.engine_env(rdv.url)
+
     def flags(role: str) -> list[str]:
         extra = ["--contention", contention[role]] if contention and role in contention else []
         return ["--registration-timeout", str(timeout), *extra]

@@ -69,7 +69,7 @@ class Contention(Params):
     framed by the API server, relayed by the router, read by the client) on the same cores."""
 
     def apply(self, seconds: float, seqs: int) -> float:
-        return seconds * (1.0 + self.share) + self.per_sequence_s * seqs if seqs else 0.0
+        return seconds * (1.0 + self.share) + self.per_sequence_s * seqs
 
 
 class RoleContention(Params):

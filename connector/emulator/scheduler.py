@@ -133,7 +133,11 @@ def plan_step(running: Sequence[SeqView], waiting: Iterable[SeqView], free_block
     return StepPlan(tuple(scheduled), ())
 
 
-def step_seconds(plan: StepPlan, costs: StepCosts, contention: Contention | None = None) -> float:
+NO_CONTENTION = Contention()
+"""An engine that owns its compute."""
+
+
+def step_seconds(plan: StepPlan, costs: StepCosts, contention: Contention = NO_CONTENTION) -> float:
     """What the step costs. A sequence that computes one token is decoding (per sequence: an output token, or the
     last prompt token a P/D decode computes again after its KV landed, which costs as much); one that computes more
     runs a prefill chunk (per prefill token and attention pair; a recompute after preemption is one too). A step
@@ -152,5 +156,4 @@ def step_seconds(plan: StepPlan, costs: StepCosts, contention: Contention | None
         return 0.0
     model = (costs.fixed_s + costs.per_prefill_token_s * prefill + costs.per_sequence_s * seqs
              + costs.per_kv_token_s * kv + costs.per_attention_pair_s * pairs)
-    return contention.apply(model, seqs) if contention is not None else model
-
+    return contention.apply(model, seqs)
