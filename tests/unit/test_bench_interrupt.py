@@ -17,7 +17,7 @@ from interrupt import stop_cleanly_on_sigterm
 async def run():
     try:
         print("running", flush=True)
-        await asyncio.sleep(60)
+        await asyncio.Event().wait()  # a benchmark's work: it ends only when stopped
     finally:
         print("cleaned up", flush=True)
 
