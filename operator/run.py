@@ -13,6 +13,9 @@ from .peering import own_identity
 
 # The in-cluster Service of each deployment's rendezvous, with placeholders. (names.py imports nothing heavy.)
 DEFAULT_RENDEZVOUS_TEMPLATE = rendezvous_url("{name}", "{namespace}")
+DEFAULT_AUTOSCALE_WINDOW_SECONDS = 15.0
+"""What a planner decision reads by default: at a few requests a second, enough of them for a rate; short enough
+that a step in load is seen in seconds, since decisions come every --autoscale-seconds (5), not every window."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,12 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the operator reads each deployment's rendezvous (for the engines' reported transport, "
                         "condition TransportVerified); {name} and {namespace} are the CR's. Default: the in-cluster "
                         f"Service, {DEFAULT_RENDEZVOUS_TEMPLATE}")
-    p.add_argument("--autoscale-seconds", type=float, default=15.0,
-                   help="how often the autoscaling planner observes and decides, for each CR with spec.autoscaling")
+    p.add_argument("--autoscale-seconds", type=float, default=5.0,
+                   help="how often the autoscaling planner observes and decides, for each CR with spec.autoscaling "
+                        "(default 5)")
     p.add_argument("--autoscale-window-seconds", type=float, default=None,
-                   help="how far back each decision reads arrivals, tokens and latencies (default: the time since "
-                        "the last decision); longer than --autoscale-seconds, frequent decisions see a step in "
-                        "load (and the queues it builds) sooner without reading rates off a few requests")
+                   help=f"how far back each decision reads arrivals, tokens and latencies (default: "
+                        f"{DEFAULT_AUTOSCALE_WINDOW_SECONDS:g} s or --autoscale-seconds, whichever is longer); longer "
+                        "than --autoscale-seconds, frequent decisions see a step in load (and the queues it builds) "
+                        "sooner without reading rates off a few requests")
     p.add_argument("--transport-poll-seconds", type=float, default=30.0,
                    help="how often every deployment's rendezvous is read (in the background; default 30)")
     p.add_argument("--rendezvous-timeout", type=float, default=2.0,
@@ -57,6 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="log at DEBUG, and log every handler kopf runs (a line per watch event of every managed "
                         "object)")
+
+
+def autoscale_window(args: argparse.Namespace) -> float:
+    """The seconds each planner decision reads: the flag, or the default window, or one tick if that is longer."""
+    if args.autoscale_window_seconds is not None:
+        return float(args.autoscale_window_seconds)
+    return max(DEFAULT_AUTOSCALE_WINDOW_SECONDS, float(args.autoscale_seconds))
 
 
 def configure_logging(verbose: bool) -> None:
@@ -129,7 +141,7 @@ def main(args: argparse.Namespace) -> None:
         memo.resync = asyncio.create_task(handlers.resync_forever(memo, logging.getLogger("disagg.resync")))
         memo.transport_poll = asyncio.create_task(handlers.poll_transports_forever(memo, args.transport_poll_seconds))
         memo.autoscaler = Autoscaler(memo.reconciler.client, PLANNER_DECISIONS,
-                                     window_seconds=args.autoscale_window_seconds)
+                                     window_seconds=autoscale_window(args))
         memo.autoscale = asyncio.create_task(handlers.autoscale_forever(memo, args.autoscale_seconds))
 
     @kopf.on.cleanup()

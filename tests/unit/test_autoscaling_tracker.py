@@ -3,6 +3,7 @@
 router's own registry after admission saw requests, and the engine emulator's metrics."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from prometheus_client import generate_latest
 from disagg.connector.emulator.metrics import EngineMetrics
 from disagg.connector.router.app import Router, Settings
 from disagg.connector.router.engine_pool import EnginePool
-from disagg.operator import api
+from disagg.operator import api, run
 from disagg.operator.autoscale_executor import advertised, targets
 from disagg.operator.autoscaling import scrape, tracker
 
@@ -186,3 +187,11 @@ def test_the_operator_refuses_a_window_shorter_than_its_tick():
                            "--autoscale-window-seconds", "2"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "--autoscale-window-seconds must be at least --autoscale-seconds" in done.stderr
+
+
+def test_the_default_window_is_15_seconds_or_one_tick_if_longer():
+    p = argparse.ArgumentParser()
+    run.add_arguments(p)
+    assert run.autoscale_window(p.parse_args([])) == 15.0
+    assert run.autoscale_window(p.parse_args(["--autoscale-seconds", "30"])) == 30.0
+    assert run.autoscale_window(p.parse_args(["--autoscale-window-seconds", "40"])) == 40.0
