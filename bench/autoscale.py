@@ -21,7 +21,9 @@ Per arm, headline:
   engine start window (from a role's desired count rising until its ready engines reach it). Goal >= 99%;
 - replica-seconds: engine pods x seconds over the trace (goal for the planner: <= 0.6x the static arm's);
 - reaction: seconds from the step's start to the first rise of a desired count (goal <= 30 s);
-- actions per role per 10 minutes in the steady part of flat phases (after --settle-s; goal <= 1);
+- actions per role per 10 minutes in the steady part of flat phases (after --settle-s: the planner's window, its
+  scale-down cooldown and an engine's start, so following the phase's change is not counted; goal <= 1), per
+  round and pooled over the rounds' steady time;
 - failed requests (goal 0).
 Arms alternate (ABBA over --rounds), each on a fresh deployment. `--arms` adds the issue's third arm, `keda`: a
 conventional autoscaler on one queue metric per role, as a user who already runs KEDA would set it up. The CR
@@ -30,12 +32,14 @@ the control plane, devcluster/keda.py) reads `vllm:num_requests_waiting` from ev
 metrics-api scaler over the role's headless Service's endpoints, summed) and asks for one engine per
 --keda-waiting requests waiting, within 1 and --max, with KEDA's and the HPA's default polling and stabilization.
 
-  flock /tmp/disagg-engines.lock .venv/bin/python bench/autoscale.py     # 3 rounds of 3 arms: about 80 minutes
+  flock /tmp/disagg-engines.lock .venv/bin/python bench/autoscale.py     # 3 rounds of 3 arms: about 90 minutes
 Writes bench/results/autoscale.json and its plot, autoscale.png (bench/plot_autoscale.py: per arm, load and engine
 pods over the trace, and TTFT). `--quick` shortens every phase to check the harness.
 
-The trace is short (7.5 minutes) so that three rounds of three arms fit one sitting; the planner arm's scale-down
-cooldown is shortened with it (--scale-down-cooldown), as a user would for loads that move by the minute.
+The trace is short (9.5 minutes) so that three rounds of three arms fit one sitting; the planner arm's scale-down
+is quickened with it (--scale-down-cooldown, --scale-down-max-step), as a user would for loads that move by the
+minute. The operator runs with the chart's planner tick and window unless --autoscale-seconds or
+--autoscale-window-seconds set them.
 """
 from __future__ import annotations
 
@@ -189,7 +193,7 @@ def cr(arm: str, args: argparse.Namespace) -> dict[str, Any]:
             "prefill": {"minReplicas": 1, "maxReplicas": args.max, "inputTokensPerSecond": args.prefill_tps},
             "decode": {"minReplicas": 1, "maxReplicas": args.max, "outputTokensPerSecond": args.decode_tps},
             "slo": {"percentile": 90, "ttftMilliseconds": args.ttft_ms, "tpotMilliseconds": args.tpot_ms},
-            "scaleDown": {"cooldownSeconds": args.scale_down_cooldown}}
+            "scaleDown": {"cooldownSeconds": args.scale_down_cooldown, "maxStep": args.scale_down_max_step}}
     elif arm == "keda":
         spec["prefill"], spec["decode"] = {"replicas": 1}, {"replicas": 1}
     else:
@@ -319,7 +323,8 @@ def summarize(arm: dict[str, Any], phases: list[Phase], args: argparse.Namespace
             continue
         steady_s += hi - lo
         for role in ROLES:
-            seen = [row[f"{role}_desired"] for row in samples if lo <= row["s"] <= hi]
+            before = [row[f"{role}_desired"] for row in samples if row["s"] < lo][-1:]  # a change at lo counts
+            seen = before + [row[f"{role}_desired"] for row in samples if lo <= row["s"] <= hi]
             actions[role] += sum(1 for a, b in zip(seen, seen[1:], strict=False) if a != b)
     failed = [r for r in reqs if r["status"] != 200]
     return {
@@ -329,12 +334,20 @@ def summarize(arm: dict[str, Any], phases: list[Phase], args: argparse.Namespace
         "outside_start_windows": len(outside), "start_windows": windows,
         "replica_seconds": round(replica_s),
         "reaction_s": None if rise is None else round(rise - step_start, 1),
+        "steady_s": round(steady_s, 1), "steady_actions": actions,
         "actions_per_role_per_10min": {r: round(n * 600 / steady_s, 2) if steady_s else None
                                        for r, n in actions.items()},
         "ttft_ms": dist([r["ttft"] for r in reqs if r["ttft"] is not None]),
         "tpot_ms": dist([r["tpot"] for r in reqs if r["tpot"] is not None]),
         "peak_pods": {r: max((row[f"{r}_pods"] for row in samples), default=0) for r in ROLES},
     }
+
+
+def pooled_actions(summaries: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Per role, scaling actions per 10 minutes over every round's steady time together."""
+    steady = sum(s["steady_s"] for s in summaries)
+    return {r: round(sum(s["steady_actions"][r] for s in summaries) * 600 / steady, 2) if steady else None
+            for r in ROLES}
 
 
 def operator_values(args: argparse.Namespace) -> dict[str, object]:
@@ -379,7 +392,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
               "slo_attainment": [s["slo_attainment"] for s in rows],
               "replica_seconds": [s["replica_seconds"] for s in rows],
               "reaction_s": [s["reaction_s"] for s in rows],
-              "actions_per_role_per_10min": [s["actions_per_role_per_10min"] for s in rows]}
+              "actions_per_role_per_10min": [s["actions_per_role_per_10min"] for s in rows],
+              "actions_per_role_per_10min_pooled": pooled_actions(rows)}
         for arm, rows in by_arm.items()}
     if planner_rs and static_rs:
         headline["planner_over_static_replica_seconds"] = round(sum(planner_rs) / sum(static_rs), 3)
@@ -392,6 +406,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                        "static": args.static, "prefill_tps": args.prefill_tps, "decode_tps": args.decode_tps,
                        "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms, "percentile": 90},
                        "settle_s": args.settle_s, "scale_down_cooldown_s": args.scale_down_cooldown,
+                       "scale_down_max_step": args.scale_down_max_step,
                        "operator": operator_values(args),
                        "keda_waiting": args.keda_waiting,
                        "deployment": "cpu-kv64k engine emulators on the real node, push, 1 router"},
@@ -403,7 +418,7 @@ def main() -> int:
     p.add_argument("--base-rate", type=float, default=0.25, help="requests per second of the base phases")
     p.add_argument("--base-s", type=float, default=60)
     p.add_argument("--step-s", type=float, default=120)
-    p.add_argument("--back-s", type=float, default=120)
+    p.add_argument("--back-s", type=float, default=240)
     p.add_argument("--diurnal-s", type=float, default=150)
     p.add_argument("--max", type=int, default=8, help="the planner's maxReplicas per role")
     p.add_argument("--static", type=lambda s: tuple(int(x) for x in s.split(",")), default=(3, 3),
@@ -417,11 +432,16 @@ def main() -> int:
     p.add_argument("--scale-down-cooldown", type=int, default=60,
                    help="the planner arm's spec.autoscaling.scaleDown.cooldownSeconds (the CR's default, 300, is "
                    "longer than this trace's phases)")
+    p.add_argument("--scale-down-max-step", type=int, default=4,
+                   help="the planner arm's spec.autoscaling.scaleDown.maxStep (the CR's default, 1, takes a cooldown "
+                   "per engine to follow a drop)")
     p.add_argument("--autoscale-seconds", type=float, default=None,
-                   help="the operator's --autoscale-seconds (the planner's tick; default: the chart's, 15)")
+                   help="the operator's --autoscale-seconds (the planner's tick; default: the chart's)")
     p.add_argument("--autoscale-window-seconds", type=float, default=None,
-                   help="the operator's --autoscale-window-seconds (default: the chart's, one tick)")
-    p.add_argument("--settle-s", type=float, default=45, help="seconds into a flat phase before it counts as steady")
+                   help="the operator's --autoscale-window-seconds (default: the chart's)")
+    p.add_argument("--settle-s", type=float, default=90,
+                   help="seconds into a flat phase before it counts as steady: the planner's window (15), its "
+                   "scale-down cooldown (60) and an engine's start")
     p.add_argument("--arms", type=lambda s: tuple(s.split(",")), default=("planner", "static", "keda"),
                    help="arms in round 1's order (later rounds alternate it): planner, static, keda")
     p.add_argument("--keda-waiting", type=float, default=2.0,
