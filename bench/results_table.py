@@ -366,7 +366,7 @@ def _soak(name: str, d: dict[str, Any]) -> Iterator[Row]:
 
 def _emulator_fit(name: str, d: dict[str, Any]) -> Iterator[Row]:
     """The engine emulator against the real engines it emulates (issue 35): TTFT and TPOT p50, emulator / real, at
-    every rate of the ramp (judged where the real pair sustains the rate), and the saturation throughputs."""
+    every rate of the ramp (judged below the real pair's saturation), and the saturation throughputs."""
     h, cfg = d["headline"], d.get("config", {})
     runs = cfg.get("runs", 1)
     for rate, e in sorted(h.get("per_rate", {}).items(), key=lambda kv: float(kv[0])):
