@@ -239,7 +239,7 @@ def ci_ms(values: list[float], q: float, rng: random.Random, n: int = 2000) -> l
 def combine(paths: list[Path]) -> dict:
     """One result from runs of the same code: every request of every run pooled per mode and arm (the headline,
     with intervals), and each run's own ratios beside it (a goal is judged on the runs, not the best one)."""
-    runs = [json.loads(p.read_text()) for p in paths]
+    runs = [result_file.load(p) for p in paths]
     commits = {r["commit"] for r in runs}
     if len(commits) != 1:
         raise SystemExit(f"runs of different code: {sorted(commits)}")
@@ -287,7 +287,7 @@ def main() -> None:
     p.add_argument("--combine", nargs="+", type=Path, help="pool these runs' result files into --out instead")
     args = p.parse_args()
     if args.combine:
-        Path(args.out).write_text(result_file.dumps(combine(args.combine)) + "\n")
+        result_file.write(Path(args.out), combine(args.combine))
         return
     if args.quick:
         args.rounds, args.seconds = 1, 15
@@ -320,7 +320,7 @@ def main() -> None:
                                 "away), pooled over rounds, with a bootstrap 90% interval over requests"},
         "modes": modes,
     }
-    Path(args.out).write_text(result_file.dumps(result) + "\n")
+    result_file.write(Path(args.out), result)
     for mode, arms in modes.items():
         for arm, a in arms.items():
             print(f"{mode} {arm}: TTFT p50 {a['ttft']['p50_ms']} p99 {a['ttft']['p99_ms']} ms "

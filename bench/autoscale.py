@@ -458,13 +458,13 @@ def main() -> int:
     stop_cleanly_on_sigterm()
     result = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
+    written = result_file.write(args.out, result)
     print(json.dumps(result["headline"], indent=1))
     from pd_serving import bench_python
 
     png = args.out.with_suffix(".png")
-    subprocess.run([str(bench_python()), str(HERE / "plot_autoscale.py"), str(args.out), str(png)], check=True)
-    log(f"wrote {args.out} and {png}")
+    subprocess.run([str(bench_python()), str(HERE / "plot_autoscale.py"), str(written), str(png)], check=True)
+    log(f"wrote {written} and {png}")
     return 0
 
 

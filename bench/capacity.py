@@ -228,7 +228,7 @@ def main() -> None:
         args.rates, args.requests, args.idle_s = [1.0, 4.0], 8, 2.0
     result = asyncio.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
+    result_file.write(args.out, result)
     print(json.dumps({"headline": result["headline"], "out": str(args.out)}, indent=1))
 
 

@@ -297,7 +297,7 @@ def main() -> None:
         args.cells, args.requests, args.warmup, args.rounds = "256@1", 6, 1, 2
     result = asyncio.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
+    result_file.write(args.out, result)
     print(yaml.safe_dump(result["headline"], sort_keys=False))
 
 

@@ -581,7 +581,7 @@ def main() -> None:
         args.pairs, args.warm = 1, 2
     result = asyncio.run(main_async(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
+    result_file.write(args.out, result)
     print(json.dumps(result, indent=2))
     for arm, h in result["headline"].items():
         log(f"{arm:12s} cold/warm p50 {h['cold_over_warm_p50']} (90% {h['cold_over_warm_p50_ci90']}), median of pair "

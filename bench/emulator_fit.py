@@ -527,7 +527,7 @@ def deviations(reference: dict, emulated: list[dict]) -> dict:
 
 
 async def fit_contention(args: argparse.Namespace) -> dict:
-    reference = json.loads(args.reference.read_text())
+    reference = result_file.load(args.reference)
     cfg_ref = reference["config"]
     cfg = Config(cells=[], requests=cfg_ref["requests_per_step"], max_tokens=cfg_ref["max_tokens"],
                  timeout=cfg_ref["timeout_s"], seed=cfg_ref["seed"], warmup=args.warmup)
@@ -614,7 +614,7 @@ def main() -> None:
     if args.cmd == "check" and args.quick:
         args.runs, args.rates, args.requests = 1, [1.0, 4.0], 8
     if args.cmd == "calibrate" and args.refit:
-        result = json.loads(args.refit.read_text())
+        result = result_file.load(args.refit)
         result["fit"] = fit(result["prefill"], result["decode"], result["api"], CPU_KV64K.max_num_batched_tokens)
         result["refit"] = " ".join(["bench/emulator_fit.py", *sys.argv[1:]])
     else:
@@ -622,7 +622,7 @@ def main() -> None:
         stop_cleanly_on_sigterm()
         result = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
+    result_file.write(args.out, result)
     print(json.dumps(result.get("fit") or result.get("headline"), indent=1))
 
 

@@ -133,7 +133,7 @@ def main() -> None:
                                 "idle_millicores": round(idle[name] * 1000, 1),
                                 "busy_millicores": round(busy[name] * 1000, 1)} for name in started_rss},
     }
-    args.out.write_text(result_file.dumps(result) + "\n")
+    result_file.write(args.out, result)
     print(json.dumps(result["headline"], indent=1))
 
 

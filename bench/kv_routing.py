@@ -58,7 +58,7 @@ Headline per fleet, pooled over rounds (and runs, `--combine`), with bootstrap 9
 - router CPU per request / least-loaded's, over all workloads (goal <= 1.3).
 
   .venv/bin/python bench/kv_routing.py --out bench/results/runs/kv_routing-1.json
-  (three times, then) .venv/bin/python bench/kv_routing.py --combine bench/results/runs/kv_routing-*.json
+  (three times, then) .venv/bin/python bench/kv_routing.py --combine bench/results/runs/kv_routing-*.json*
 Defaults: 8+8 emulators per fleet, --time-scale 0.05 (a 2048-token prefill takes 0.9 s, a hit of all but 64 tokens
 about 35 ms), 6 req/s, 40 s per workload, 2 rounds: (3 + 4 arms) x 3 workloads x 2 rounds = 42 segments of about
 45 s, so about 35 minutes a run (an estimate: only --quick has run so far). Writes bench/results/kv_routing.json.
@@ -744,7 +744,7 @@ def _goal(fleet: str, workload: str, measure: str, value: float | None, ci: list
 
 def combine(paths: list[Path], boot: int) -> dict[str, Any]:
     """Runs of the same code pooled: every segment of every run (the headline), and each run's goals beside it."""
-    runs = [json.loads(p.read_text()) for p in paths]
+    runs = [result_file.load(p) for p in paths]
     commits = {r["commit"] for r in runs}
     if len(commits) != 1:
         raise SystemExit(f"runs of different code: {sorted(commits)}")
@@ -824,8 +824,7 @@ def main() -> None:
     args = p.parse_args()
     if args.combine:
         out = args.out or RESULTS / "kv_routing.json"
-        out.write_text(result_file.dumps(combine(args.combine, args.boot)) + "\n")
-        log(f"wrote {out}")
+        log(f"wrote {result_file.write(out, combine(args.combine, args.boot))}")
         return
     if args.quick:
         args.prefill = args.decode = 2
@@ -877,8 +876,7 @@ def main() -> None:
               "loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3], "config": cfg,
               "definitions": DEFINITIONS, "headline": head, "fleets": fleets}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
-    log(f"wrote {args.out}")
+    log(f"wrote {result_file.write(args.out, result)}")
 
 
 if __name__ == "__main__":

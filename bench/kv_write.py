@@ -281,7 +281,7 @@ def main() -> None:
                      # [round, transfer, done ms, notified ms]
                      "rows": rows} for a, rows in results.items()},
     }
-    Path(args.out).write_text(result_file.dumps(out) + "\n")
+    result_file.write(Path(args.out), out)
     for a, v in out["arms"].items():
         print(f"{a:10s} done p50 {v['done']['p50_ms']:7.1f} p99 {v['done']['p99_ms']:7.1f}   notified p50 "
               f"{v['notified']['p50_ms']:7.1f} p99 {v['notified']['p99_ms']:7.1f} ms")

@@ -611,7 +611,7 @@ def main() -> None:
             "idle_operator_counters": counter_delta(counters["idle"], counters["settled"]),
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(result_file.dumps(result) + "\n")
+        result_file.write(args.out, result)
         print(json.dumps(result, indent=2))
     finally:
         if operator is not None and operator.poll() is None:

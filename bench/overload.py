@@ -23,7 +23,7 @@ the saturation arm's, with a bootstrap 90% interval over requests (goal: at most
 RSS at the end of the overload arms over before them (goal: flat, within 10%); the same for `unbounded`.
 
   flock /tmp/disagg-engines.lock .venv/bin/python bench/overload.py --out bench/results/runs/overload-1.json
-  (three times, then) .venv/bin/python bench/overload.py --combine bench/results/runs/overload-*.json
+  (three times, then) .venv/bin/python bench/overload.py --combine bench/results/runs/overload-*.json*
 About 12 minutes a run with both beds. Writes bench/results/overload.json. `--quick` checks the harness.
 """
 from __future__ import annotations
@@ -348,7 +348,7 @@ def headline(bed: dict, seed: int) -> dict:
 def combine(paths: list[Path]) -> dict:
     """One result from runs of the same code: every request of every run pooled per bed and arm (the headline), and
     each run's own headline beside it (a goal is judged on the runs, not the best one)."""
-    runs = [json.loads(p.read_text()) for p in paths]
+    runs = [result_file.load(p) for p in paths]
     commits = {r["commit"] for r in runs}
     if len(commits) != 1:
         raise SystemExit(f"runs of different code: {sorted(commits)}")
@@ -411,7 +411,7 @@ def main() -> None:
     p.add_argument("--combine", nargs="+", type=Path, help="pool these runs' result files into --out instead")
     args = p.parse_args()
     if args.combine:
-        args.out.write_text(result_file.dumps(combine(args.combine)) + "\n")
+        result_file.write(args.out, combine(args.combine))
         return
     if args.quick:
         args.rounds, args.seconds, args.ramp_s, args.unbounded_s = 1, 8.0, 5.0, 5.0
@@ -437,8 +437,7 @@ def main() -> None:
                            "unpinned", "logs": str(logs)},
               "definitions": DEFINITIONS, "beds": beds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
-    log(f"wrote {args.out}")
+    log(f"wrote {result_file.write(args.out, result)}")
 
 
 if __name__ == "__main__":

@@ -1176,18 +1176,18 @@ def main() -> None:
     if args.quick:
         args.cells, args.requests, args.warmup, args.stub_requests = "256@2,1024@1", 4, 2, 20
     if args.reanalyze:
-        result = reanalyze(json.loads(args.reanalyze.read_text()))
+        result = reanalyze(result_file.load(args.reanalyze))
     else:
         result = asyncio.run(main_async(args))
         if args.merge_into:
-            result = merge(json.loads(args.merge_into.read_text()), result)
+            result = merge(result_file.load(args.merge_into), result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
+    written = result_file.write(args.out, result)
     if not args.no_plot:
-        err = plot(args.out, args.out.with_suffix(".png"))
+        err = plot(written, args.out.with_suffix(".png"))
         if err:
             result["plot_error"] = err
-            args.out.write_text(result_file.dumps(result) + "\n")
+            result_file.write(args.out, result)
     print(json.dumps(result, indent=2))
     for row in result["table"]:
         log("{arm:24s} {cell:14s} ok {ok:2d}/{planned:<2d} ttft p50 {ttft_p50_ms} p99 {ttft_p99_ms}  handoff p50 "

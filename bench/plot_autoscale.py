@@ -2,15 +2,16 @@
 pods over the trace, and TTFT against the SLO.
 
 Runs in the bench-only venv (~/.cache/disagg/bench-venv, matplotlib only), as bench/autoscale.py calls it:
-`python bench/plot_autoscale.py RESULT.json OUT.png`.
+`python bench/plot_autoscale.py RESULT.json[.gz] OUT.png`.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
+from pathlib import Path
 
 import matplotlib
+import result_file
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -39,7 +40,7 @@ def binned(requests: list[dict], end: float) -> tuple[list[float], list[float], 
 
 
 def main(src: str, dst: str) -> None:
-    result = json.load(open(src))
+    result = result_file.load(Path(src))
     firsts: dict[str, dict] = {}
     for arm in result["arms"]:
         firsts.setdefault(arm["arm"], arm)

@@ -1,14 +1,15 @@
 """Draw bench/results/pd_serving.json as a PNG: TTFT p50/p99, handoff p50 and throughput per cell and arm.
 
 Runs in the bench-only venv that `bench/pd_serving.py` makes (~/.cache/disagg/bench-venv, matplotlib only):
-`python bench/plot_pd_serving.py RESULT.json OUT.png`.
+`python bench/plot_pd_serving.py RESULT.json[.gz] OUT.png`.
 """
 from __future__ import annotations
 
-import json
 import sys
+from pathlib import Path
 
 import matplotlib
+import result_file
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -20,7 +21,7 @@ COLORS = {"stub-direct-push": "#9ecae1", "stub-router-push": "#08519c", "stub-di
 
 
 def main(src: str, dst: str) -> None:
-    result = json.load(open(src))
+    result = result_file.load(Path(src))
     every = {k: v for k, v in result["arms"].items() if v["cells"]}
     real = {k: v for k, v in every.items() if v["phase"] != "stub"}
     stub = {k: v for k, v in every.items() if v["phase"] == "stub"}

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+import result_file
 import results_table
 
 HERE = Path(__file__).resolve().parent
@@ -30,7 +31,7 @@ END = "<!-- end of bench/report.py -->"
 
 
 def load(results: Path = RESULTS) -> results_table.Results:
-    return {p.name: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+    return result_file.results(results)
 
 
 def _when(results: results_table.Results, names: set[str] | None = None) -> dict[str, str]:

@@ -1,7 +1,10 @@
 """Result files: indented JSON whose innermost lists (a request row, an interval) stay on one line, so a file of
-thousands of per-request rows stays readable and diffs row by row."""
+thousands of per-request rows stays readable and diffs row by row; past MAX_PLAIN_BYTES the same text is gzipped
+(`<name>.json.gz`), every row kept. Only the standard library: the plot scripts import this in a matplotlib-only venv.
+"""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -9,6 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+MAX_PLAIN_BYTES = 1_000_000
+"""Past this a result is gzipped: a git diff of so many raw rows is useless, and the repo grows by the file each run."""
 
 
 def _flat(value: Any) -> bool:
@@ -38,3 +44,47 @@ def provenance() -> dict[str, Any]:
     return {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD") + ("-dirty" if dirty else ""),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3]}}
+
+
+def _forms(path: Path) -> tuple[Path, Path]:
+    """The plain and the gzipped name of the result `path` names either way."""
+    plain = path.with_name(path.name.removesuffix(".gz"))
+    return plain, plain.with_name(plain.name + ".gz")
+
+
+def write(path: Path, obj: Any, max_plain_bytes: int = MAX_PLAIN_BYTES) -> Path:
+    """Write `dumps(obj)` to `path` (named either way): plain when it is at most `max_plain_bytes`, else gzipped
+    beside it as `<name>.gz` (mtime 0: the same result gives the same bytes). The other form, if any, is removed,
+    so a result has exactly one file. Returns the path written."""
+    plain, packed = _forms(Path(path))
+    data = (dumps(obj) + "\n").encode()
+    target, stale = (plain, packed) if len(data) <= max_plain_bytes else (packed, plain)
+    if target == packed:
+        data = gzip.compress(data, mtime=0)
+    # Through a temporary file: a run killed mid-write leaves the previous result, not half of the new one.
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(target)
+    stale.unlink(missing_ok=True)
+    return target
+
+
+def load(path: Path) -> Any:
+    """The result `path` names either way (`x.json` or `x.json.gz`): the named file, else its other form."""
+    path = Path(path)
+    if not path.exists():
+        plain, packed = _forms(path)
+        other = packed if path == plain else plain
+        path = other if other.exists() else path
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.name.endswith(".gz") else data)
+
+
+def results(directory: Path) -> dict[str, Any]:
+    """Every result in `directory`, keyed by its plain name (`x.json`, whether it is stored gzipped or not), in name
+    order. A result stored both ways is an error: which one is current cannot be told."""
+    names = sorted(p.name.removesuffix(".gz") for p in [*directory.glob("*.json"), *directory.glob("*.json.gz")])
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{directory}: stored both plain and gzipped (keep the newer, remove the other): {twice}")
+    return {name: load(directory / name) for name in names}

@@ -357,7 +357,7 @@ def main() -> int:
         args.steady_seconds, args.settle_seconds = 20.0, 10.0
     result = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
+    result_file.write(args.out, result)
     print(yaml.safe_dump(result["headline"], sort_keys=False))
     return 1 if result["headline"]["failed_requests"] else 0
 

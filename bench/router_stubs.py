@@ -416,10 +416,9 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS / "router_stubs.json"))
     args = p.parse_args()
     result = asyncio.run(main_async(args))
-    text = result_file.dumps(result)
-    Path(args.out).write_text(text + "\n")
+    out = result_file.write(Path(args.out), result)
     print(json.dumps(result["headline"], indent=2))
-    log(f"wrote {args.out}")
+    log(f"wrote {out}")
 
 
 if __name__ == "__main__":

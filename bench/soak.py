@@ -589,7 +589,7 @@ def report(config: dict[str, Any], sent: list[Sent], faults: list[dict[str, Any]
 def rereport(path: Path) -> dict[str, Any]:
     """A saved result with its report made again: the run's provenance, rows and faults kept, the report's parts
     recomputed, and the command that recomputed them."""
-    saved = json.loads(path.read_text())
+    saved = result_file.load(path)
     known = {f.name for f in fields(Sent)}
     sent = [Sent(**{k: v for k, v in row.items() if k in known}) for row in saved["requests"]]
     faults = [{k: v for k, v in f.items() if k not in ("requests", "failed", "causes")} for f in saved["faults"]]
@@ -628,7 +628,7 @@ def main() -> int:
     stop_cleanly_on_sigterm()
     result = rereport(args.report) if args.report else asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(result_file.dumps(result) + "\n")
+    result_file.write(args.out, result)
     h = result["headline"]
     print(json.dumps({k: h[k] for k in ("requests", "failed", "wrong", "failed_by_cause", "faults")}))
     for kind, k in result["by_kind"].items():

@@ -3,7 +3,7 @@ of the real engines' measured steps (bench/results/emulator_calibration.json), a
 published serving figures it is held to, through the same step model the emulator runs."""
 from __future__ import annotations
 
-import json
+import importlib
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,8 @@ from disagg.connector.emulator.profiles import CPU_KV64K, PROFILES, QWEN3_32B_TP
 from disagg.connector.emulator.scheduler import Scheduled, StepPlan, step_seconds
 from disagg.connector.wire import emulator as contract
 
-CALIBRATION = Path(__file__).resolve().parents[2] / "bench" / "results" / "emulator_calibration.json"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+CALIBRATION = BENCH / "results" / "emulator_calibration.json"
 CONTENTION = CALIBRATION.with_name("emulator_contention.json")
 
 
@@ -20,15 +21,17 @@ def test_the_profiles_are_the_operators_enum():
     assert tuple(PROFILES) == contract.PROFILES and contract.DEFAULT_PROFILE in PROFILES
 
 
-def test_cpu_kv64k_is_the_calibrations_fit():
-    fit = json.loads(CALIBRATION.read_text())["fit"]
+def test_cpu_kv64k_is_the_calibrations_fit(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    result_file = importlib.import_module("result_file")
+    fit = result_file.load(CALIBRATION)["fit"]
     for key, value in fit["step"].items():
         assert getattr(CPU_KV64K.step, key) == pytest.approx(value, rel=0.01, abs=1e-9), key
     for key, value in fit["transfer"].items():
         assert getattr(CPU_KV64K.transfer, key) == pytest.approx(value, rel=0.01, abs=1e-9), key
     assert CPU_KV64K.api_latency_s == pytest.approx(fit["api_latency_s"], rel=0.01)
     # The fit ran with the first form of contention (a share, plus a share per request per second: 0 in the winner)
-    contention = json.loads(CONTENTION.read_text())["fit"]
+    contention = result_file.load(CONTENTION)["fit"]
     for role in ("prefill", "decode"):
         fit = contention[role]
         assert fit["per_request_per_second"] == 0.0
