@@ -54,3 +54,13 @@ def test_a_result_stored_both_ways_is_refused(result_file, tmp_path):
     with pytest.raises(ValueError, match="x.json"):
         result_file.results(tmp_path)
 
+
+def test_every_committed_result_is_plain_under_the_bound_or_gzipped_over_it(result_file):
+    stored = {p.name: p.stat().st_size for p in RESULTS.iterdir() if p.name.endswith((".json", ".json.gz"))}
+    for name, size in stored.items():
+        if name.endswith(".gz"):
+            size = len(gzip.decompress((RESULTS / name).read_bytes()))
+            assert size > result_file.MAX_PLAIN_BYTES, f"{name} is {size} bytes unpacked: small enough to store plain"
+        else:
+            assert size <= result_file.MAX_PLAIN_BYTES, f"{name} is {size} bytes: write it with result_file.write"
+    assert set(result_file.results(RESULTS)) == {name.removesuffix(".gz") for name in stored}
