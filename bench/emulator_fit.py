@@ -28,8 +28,9 @@ connector plugin, prefill pinned to core 0 and decode to core 1) and on the `cpu
              this bed, connector/emulator/profiles.py) to the real arm of an earlier check (--reference): for each
              candidate (per role: the share of each step, and milliseconds per sequence in a step), one emulator
              ramp of the reference's run 0 (its seed and rates) with those values; per rate, TTFT and TPOT p50
-             against the reference's real requests of every run; the candidate with the smallest worst deviation
-             (below the reference's saturation, and of the saturation) wins. Emulators only: no engines, no lock needed.
+             against the reference's real requests of run 0 (the same arrivals); the candidate with the smallest
+             worst deviation (at the rates the reference judges, and of the saturation) wins. Emulators only: no
+             engines, no lock needed. `--rescore FILE` judges a contention file's candidates again, with no ramps.
              Writes bench/results/emulator_contention.json; the winner is copied into profiles.py by hand (a unit
              test holds them equal). The check that follows must use fresh runs (another --seed).
 
@@ -502,9 +503,11 @@ async def check(args: argparse.Namespace) -> dict:
 
 
 def deviations(reference: dict, emulated: list[dict]) -> dict:
-    """Per rate, emulator / real p50 of TTFT and TPOT (the reference's real requests of every run against the
-    emulated ramp's), and the worst deviation below the reference's saturation and of the saturation."""
-    real_runs = [r["arms"]["real"]["steps"] for r in reference["runs"]]
+    """Per rate, emulator / real p50 of TTFT and TPOT: the emulated ramp against the reference's real arm of run 0,
+    whose prompts and arrivals it replays (near the knee TTFT follows the bursts of the arrivals, so another run's
+    real requests are no reference for it); the worst deviation at the rates the reference judges, and of the
+    saturation (against run 0's)."""
+    real_run = reference["runs"][0]["arms"]["real"]
     real_saturation = reference["headline"]["saturation_rps"]["real"]["mean"]
     per_rate, worst_of = {}, []
     for key, entry in reference["headline"]["per_rate"].items():
@@ -514,13 +517,13 @@ def deviations(reference: dict, emulated: list[dict]) -> dict:
             continue
         row = {}
         for metric in ("ttft", "tpot"):
-            real = [x for steps in real_runs for s in steps if s["rate_rps"] == rate for x in per_request(s, metric)]
+            real = [x for s in real_run["steps"] if s["rate_rps"] == rate for x in per_request(s, metric)]
             r50, e50 = quantile(real, 0.5), quantile(per_request(emu[0], metric), 0.5)
             row[metric] = round(e50 / r50, 3) if r50 and e50 else None
             if judged(rate, entry["below_saturation"], real_saturation) and row[metric]:
                 worst_of.append(abs(row[metric] - 1))
         per_rate[key] = row
-    sat = max((s["throughput_rps"] or 0) for s in emulated) / real_saturation
+    sat = max((s["throughput_rps"] or 0) for s in emulated) / real_run["saturation_rps"]
     worst = max(worst_of, default=1.0)
     return {"per_rate": per_rate, "worst_p50_deviation_below_saturation": round(worst, 3),
             "saturation_ratio": round(sat, 3), "score": round(max(worst, abs(sat - 1)), 3)}
@@ -548,13 +551,22 @@ async def fit_contention(args: argparse.Namespace) -> dict:
         log(f"  worst p50 deviation {d['worst_p50_deviation_below_saturation']}, saturation {d['saturation_ratio']}")
         candidates.append({"prefill": {"share": ps, "per_sequence_s": pq / 1000},
                            "decode": {"share": ds, "per_sequence_s": dq / 1000}, **d, "steps": steps})
-    best = min(candidates, key=lambda c: c["score"])
     return {"benchmark": "emulator_contention", "issue": 35, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": " ".join(["bench/emulator_fit.py", *sys.argv[1:]]), "commit": commit(),
             "machine": machine(), "reference": {"file": str(args.reference), "when": reference["when"],
                                                 "commit": reference["commit"]},
-            "fit": {"prefill": best["prefill"], "decode": best["decode"], "score": best["score"]},
-            "candidates": candidates, "elapsed_s": round(time.monotonic() - t0, 1)}
+            "fit": winner(candidates), "candidates": candidates, "elapsed_s": round(time.monotonic() - t0, 1)}
+
+
+def winner(candidates: list[dict]) -> dict:
+    best = min(candidates, key=lambda c: c["score"])
+    return {"prefill": best["prefill"], "decode": best["decode"], "score": best["score"]}
+
+
+def rescore(result: dict, reference: dict) -> dict:
+    """A contention result judged again against `reference` (its candidates' ramps as they were measured)."""
+    candidates = [{**c, **deviations(reference, c["steps"])} for c in result["candidates"]]
+    return {**result, "candidates": candidates, "fit": winner(candidates)}
 
 
 def floats(text: str) -> list[float]:
@@ -598,9 +610,10 @@ def main() -> None:
     k.add_argument("--out", type=Path, default=RESULTS / "emulator_fit.json")
     n = sub.add_parser("contention")
     n.add_argument("--reference", type=Path, required=True, help="an earlier check's result, whose real arm to fit")
-    n.add_argument("--candidates", nargs="+", required=True,
+    n.add_argument("--candidates", nargs="+", default=[],
                    help="each PREFILL_SHARE,PREFILL_PER_SEQUENCE_MS,DECODE_SHARE,DECODE_PER_SEQUENCE_MS")
     n.add_argument("--warmup", type=int, default=3)
+    n.add_argument("--rescore", type=Path, help="judge again the candidates of a contention file (no ramps)")
     n.add_argument("--out", type=Path, default=RESULTS / "emulator_contention.json")
     for q in (c, k, n):
         q.add_argument("--seed", type=int, default=35)
@@ -611,12 +624,17 @@ def main() -> None:
     args = p.parse_args()
     if args.cmd is None:
         p.error("say calibrate or check")
+    if args.cmd == "contention" and not (args.candidates or args.rescore):
+        p.error("contention needs --candidates, or --rescore FILE")
     if args.cmd == "check" and args.quick:
         args.runs, args.rates, args.requests = 1, [1.0, 4.0], 8
     if args.cmd == "calibrate" and args.refit:
         result = result_file.load(args.refit)
         result["fit"] = fit(result["prefill"], result["decode"], result["api"], CPU_KV64K.max_num_batched_tokens)
         result["refit"] = " ".join(["bench/emulator_fit.py", *sys.argv[1:]])
+    elif args.cmd == "contention" and args.rescore:
+        result = rescore(result_file.load(args.rescore), result_file.load(args.reference))
+        result["rescored"] = " ".join(["bench/emulator_fit.py", *sys.argv[1:]])
     else:
         run = {"calibrate": calibrate, "check": check, "contention": fit_contention}[args.cmd]
         stop_cleanly_on_sigterm()
