@@ -149,9 +149,9 @@ CPU_KV64K = EmulatorProfile(
         "capacity: 1 GiB / (64 KiB x 128 tokens) = 128 blocks, as vLLM reports it (`vllm:cache_config_info`)",
         "limits: vLLM 0.32's CPU defaults (engine/arg_utils.py: 2048 batched tokens, 128 sequences)",
         "contention: fitted by `bench/emulator_fit.py contention` (bench/results/emulator_contention.json) to the "
-        "real arm of the morning check of 2026-12-07 (the engines serving through the router on a rate ramp, where "
-        "their decode steps ran 1.2-1.6x the calibrated ones); a cost per sequence instead of the decode's share "
-        "fitted worse against the next check (docs/benchmarks.md)",
+        "real arm of the check at 0efcaba (the engines serving through the router on a rate ramp), each candidate "
+        "against the real run whose arrivals it replays; a cost per sequence instead of a share fitted worse "
+        "(docs/benchmarks.md)",
     ),
     served_model_name="tiny",
     block_size=128,
@@ -169,7 +169,7 @@ CPU_KV64K = EmulatorProfile(
     step=StepCosts(fixed_s=0.0209, per_prefill_token_s=0.00733, per_sequence_s=0.00598, per_kv_token_s=1.14e-5,
                    per_attention_pair_s=1.27e-6),
     transfer=TransferCosts(fixed_s=0.00234, per_token_s=3.42e-5),
-    contention=RoleContention(prefill=Contention(share=0.1), decode=Contention(share=0.25)),
+    contention=RoleContention(prefill=Contention(share=0.05), decode=Contention(share=0.1)),
 )
 
 # Qwen3-32B (its config.json): 64 layers, hidden 5120, 64 query and 8 KV heads of dim 128, 32.8e9 parameters.

@@ -30,12 +30,9 @@ def test_cpu_kv64k_is_the_calibrations_fit(monkeypatch):
     for key, value in fit["transfer"].items():
         assert getattr(CPU_KV64K.transfer, key) == pytest.approx(value, rel=0.01, abs=1e-9), key
     assert CPU_KV64K.api_latency_s == pytest.approx(fit["api_latency_s"], rel=0.01)
-    # The fit ran with the first form of contention (a share, plus a share per request per second: 0 in the winner)
     contention = result_file.load(CONTENTION)["fit"]
     for role in ("prefill", "decode"):
-        fit = contention[role]
-        assert fit["per_request_per_second"] == 0.0
-        assert CPU_KV64K.contention.of(role) == Contention(share=fit["fixed"]), role
+        assert CPU_KV64K.contention.of(role) == Contention(**contention[role]), role
     assert QWEN3_32B_TP4_P5EN.contention.of("decode") == Contention(), "a GPU owns its compute"
     # 1 GiB of 64 KiB-per-token KV in blocks of 128: what vLLM reports for the real engine.
     assert CPU_KV64K.num_blocks == 128 and CPU_KV64K.kv_cache_tokens == 16384
