@@ -18,6 +18,7 @@ COPY cli/ cli/
 COPY operator/ operator/
 COPY connector/ connector/
 COPY devcluster/ devcluster/
+COPY compare/ compare/
 RUN pip wheel --no-cache-dir --disable-pip-version-check --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}

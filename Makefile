@@ -39,7 +39,7 @@ imports: venv tree
 
 tree:
 	@rm -rf $(TREE) && mkdir -p $(TREE)/disagg
-	@for d in operator connector devcluster; do ln -s $(CURDIR)/$$d $(TREE)/disagg/$$d; done
+	@for d in operator connector devcluster compare; do ln -s $(CURDIR)/$$d $(TREE)/disagg/$$d; done
 	@ln -s $(CURDIR)/cli/cli.py $(TREE)/disagg/cli.py
 
 # Everything generated from the typed models: the CRDs (and the chart's copy) and the kustomize install.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import random
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import aiohttp
 
+from disagg.compare.stats import quantile, ratio_ci
 from disagg.connector.router import pd_protocol as pd
 from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.devcluster.engines import LocalEngine
@@ -164,15 +164,6 @@ def advertisement(engine: LocalEngine, mode: str) -> EngineAdvertisement:
 
 
 # -- statistics ------------------------------------------------------------------------------------------------
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    pos = q * (len(v) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
 def ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1000, 1)
 
@@ -185,16 +176,8 @@ def dist(values: list[float]) -> dict:
 def percentile_ratio_ci(num: list[float], den: list[float], q: float, rng: random.Random,
                         n: int = 2000) -> list[float] | None:
     """90% bootstrap interval of quantile_q(num) / quantile_q(den), resampling requests with replacement."""
-    if not num or not den:
-        return None
-    stats = []
-    for _ in range(n):
-        a = quantile([rng.choice(num) for _ in num], q)
-        b = quantile([rng.choice(den) for _ in den], q)
-        if a and b:
-            stats.append(a / b)
-    lo, hi = quantile(stats, 0.05), quantile(stats, 0.95)
-    return None if lo is None or hi is None else [round(lo, 3), round(hi, 3)]
+    ci = ratio_ci(num, den, q, rng, n)
+    return None if ci is None else list(ci)
 
 
 def cpu_sample() -> tuple[float, float]:

@@ -22,7 +22,7 @@ from .cache import images_dir, key_of, locked, tree_digest
 
 REPO = Path(__file__).resolve().parents[2]
 # Exactly what the Dockerfile copies (its .dockerignore lets in nothing else), and the Dockerfile itself.
-CONTEXT = ("pyproject.toml", "README.md", "cli", "operator", "connector", "devcluster")
+CONTEXT = ("pyproject.toml", "README.md", "cli", "operator", "connector", "devcluster", "compare")
 BUILD_FILES = ("Dockerfile", ".dockerignore")
 # The Dockerfile's default PYTHON_IMAGE: the named context replaces it.
 FROM = "python:3.11-slim-bookworm"
