@@ -139,7 +139,11 @@ class UpstreamFailed(Exception):
 
     @property
     def client_error(self) -> bool:
-        return self.status is not None and 400 <= self.status < 500 and self.status not in (404, 408, 429)
+        """The request's own fault, passed on as is: a 4xx, except a 404 for a path (an engine without the
+        endpoint, worth another pair), 408 and 429. vLLM's 404 for a model it does not serve names its `param`."""
+        if self.status == 404:
+            return _param(self.body) == "model"
+        return self.status is not None and 400 <= self.status < 500 and self.status not in (408, 429)
 
     @property
     def retryable(self) -> bool:
@@ -745,6 +749,12 @@ async def _read_unless_gone(read: Awaitable[bytes], resp: aiohttp.ClientResponse
 
 def _gone(prefill: EngineAdvertisement, what: str) -> UpstreamFailed:
     return UpstreamFailed("prefill", prefill.engine_id, "gone", f"found dead before it {what}")
+
+
+def _param(body: Any) -> str | None:
+    err = body.get("error") if isinstance(body, dict) else None
+    param = err.get("param") if isinstance(err, dict) else None
+    return param if isinstance(param, str) else None
 
 
 def _message(body: Any) -> str | None:

@@ -56,7 +56,8 @@ class Leg:
 
 class StubEngine:
     """One stand-in engine. `fail_status`: answer prefill legs with this HTTP status (after `hold(request_id)`
-    returns, if set). `board`: decode legs wait for their KV there; without one they answer at once.
+    returns, if set), its error naming `fail_param` when set (as vLLM names `model` in a 404 for a model it does
+    not serve). `board`: decode legs wait for their KV there; without one they answer at once.
     `decode_status`: answer decode legs with this status; a streamed decode leg sends its 200 and headers at once
     (as vLLM does, before any token), then `tokens` chunks: `decode_hold(request_id, i)`, if set, is awaited before
     chunk i (before the answer, i = 0, when not streamed); `decode_dies_after`: drop the connection before that
@@ -72,6 +73,7 @@ class StubEngine:
         self.engine_id, self.role, self.mode, self.board = engine_id, role, mode, board
         self.max_model_len, self.layout_key, self.block_size = max_model_len, layout_key, block_size
         self.fail_status: int | None = None
+        self.fail_param: str | None = None
         self.decode_status = 200
         self.decode_failures = 0
         """The next this many decode legs are answered with a 500, whatever `decode_status` says (a decode that
@@ -179,7 +181,8 @@ class StubEngine:
             await self.hold(leg.request_id)
         if self.fail_status is not None:
             return web.json_response({"error": {"message": f"stand-in {self.engine_id} fails", "code":
-                                                self.fail_status}}, status=self.fail_status)
+                                                self.fail_status, "param": self.fail_param}},
+                                     status=self.fail_status)
         if self.board is not None and self.writes_kv:
             await self.board.post(internal)
         return web.json_response({

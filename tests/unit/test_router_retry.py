@@ -96,6 +96,21 @@ async def test_push_a_prefill_that_refuses_the_request_is_not_retried():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize(("param", "status", "tried"), [("model", 404, (1, 0)), (None, 200, (1, 1))])
+async def test_a_prefill_404_for_the_model_is_the_clients_and_one_for_a_path_is_the_engines(param, status, tried):
+    """vLLM answers a model it does not serve with a 404 naming `param: model`: any engine would, so the client gets
+    it. A 404 without it is an engine lacking the endpoint, and another pair is tried."""
+    async with deployment("push") as (url, router, p_a, p_b, d_1):
+        p_a.fail_status, p_a.fail_param = 404, param
+        p_a.hold = lambda rid: d_1.wait_for(lambda: d_1.received(rid))
+        got, _, body = await post(url)
+        assert got == status, body
+        assert (len(p_a.legs), len(p_b.legs)) == tried
+        if param == "model":
+            assert b"stand-in p-a fails" in body
+
+
+@pytest.mark.timeout(30)
 async def test_a_dead_prefill_leaves_rotation_and_the_request_is_served_by_another():
     async with deployment("push") as (url, router, p_a, p_b, d_1):
         await p_a.stop()  # connection refused from now on
