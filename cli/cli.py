@@ -88,6 +88,18 @@ def _emulator(args: argparse.Namespace) -> None:
     emulator.main(args)
 
 
+def _compare(args: argparse.Namespace) -> None:
+    from disagg.compare import command
+
+    command.main(args)
+
+
+def _compare_run(args: argparse.Namespace) -> None:
+    from disagg.compare import runner
+
+    runner.main(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="disagg", description="Disaggregated vLLM serving on Kubernetes.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -139,6 +151,16 @@ def parser() -> argparse.ArgumentParser:
                                              "engines run with PYTHONPATH=DIR (the engine pods' init container)")
     i.add_argument("dir", metavar="DIR", help="target directory; the package lands in DIR/disagg/connector/")
     i.set_defaults(func=_install_plugin)
+
+    from disagg.compare import arguments as compare  # argparse only: no client library until a command runs
+
+    m = sub.add_parser("compare", help="push against pull on your own deployment and load: ABBA rounds, run as a "
+                       "Job beside the router, with a report and a recommendation")
+    compare.add_compare_arguments(m)
+    m.set_defaults(func=_compare)
+    q = sub.add_parser("compare-run", help="the Job's side of `disagg compare` (run by it, not by hand)")
+    compare.add_run_arguments(q)
+    q.set_defaults(func=_compare_run)
 
     r = sub.add_parser("render", help="print every object the operator would create for a CR (no cluster)")
     r.add_argument("-f", "--file", required=True, help="DisaggregatedInference YAML file, or - for stdin")

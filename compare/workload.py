@@ -46,6 +46,16 @@ class WorkloadRequest(BaseModel):
             raise ValueError("messages is empty")
         return self
 
+    def tagged(self, tag: str) -> WorkloadRequest:
+        """The same request with `tag` before its prompt (or its first message): segments that replay the same
+        workload then share no prefix, so none is served from a cache an earlier segment filled, while the
+        workload's own sharing within a segment stays."""
+        if self.prompt is not None:
+            return self.model_copy(update={"prompt": f"{tag} {self.prompt}"})
+        first, *rest = self.messages or ()
+        return self.model_copy(update={"messages": (first.model_copy(update={"content": f"{tag} {first.content}"}),
+                                                    *rest)})
+
     @property
     def path(self) -> str:
         return "/v1/completions" if self.prompt is not None else "/v1/chat/completions"
