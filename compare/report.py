@@ -12,13 +12,14 @@ from pydantic import BaseModel, ConfigDict
 
 from . import stats
 from .schedule import MODES, Mode
-from .verdict import Metric, Ratio, decide
+from .verdict import Metric, Ratio, Verdict, decide
 
 METRICS = ("ttft", "tpot", "handoff")
 
 
 class RequestTiming(BaseModel):
-    """One replayed request, as the client saw it (handoff: the router's, from its access log, when known)."""
+    """One replayed request, as the client saw it; `handoff_ms` and `served_mode` are the router's (its access
+    log), None when it logged none for the request."""
 
     model_config = ConfigDict(frozen=True)
     mode: Mode
@@ -28,6 +29,7 @@ class RequestTiming(BaseModel):
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     handoff_ms: float | None = None
+    served_mode: str | None = None
     error: str | None = None
 
     def value(self, metric: str) -> float | None:
@@ -72,6 +74,11 @@ class CompareReport(BaseModel):
     prefer: Metric
     sent: dict[Mode, int]
     failed: dict[Mode, int]
+    served_in_other_mode: dict[Mode, int]
+    """Requests of a mode's segments that the router logged as served in the other mode: more than 0 voids the
+    comparison (a rollout had not finished)."""
+    unlogged: dict[Mode, int]
+    """Answered requests the routers' logs did not show (their mode unproven)."""
     summary: dict[Mode, dict[str, MetricSummary]]
     ratios: dict[str, RatioSummary]
     verdict: VerdictSummary
@@ -106,9 +113,14 @@ def build(deployment: str, workload: Workload, order: list[Mode], requests: list
             p99_ci=stats.ratio_ci(push, pull, 0.99, rng, resamples))
     sent = {m: sum(1 for r in requests if r.mode == m) for m in MODES}
     failed = {m: sum(1 for r in requests if r.mode == m and not r.ok) for m in MODES}
+    other = {m: sum(1 for r in requests if r.mode == m and r.served_mode not in (None, m)) for m in MODES}
+    unlogged = {m: sum(1 for r in requests if r.mode == m and r.ok and r.served_mode is None) for m in MODES}
     verdict = decide({k: Ratio(ratios[k].p50, ratios[k].p50_ci) for k in ("ttft", "tpot")}, failed, sent, prefer)
+    if any(other.values()):
+        verdict = Verdict(None, False, "no comparison: " + ", ".join(
+            f"{n} requests of the {m} segments were served in the other mode" for m, n in other.items() if n))
     return CompareReport(deployment=deployment, workload=workload, order=order, prefer=prefer, sent=sent,
-                         failed=failed, summary=summary, ratios=ratios,
+                         failed=failed, served_in_other_mode=other, unlogged=unlogged, summary=summary, ratios=ratios,
                          verdict=VerdictSummary(mode=verdict.mode, within_noise=verdict.within_noise,
                                                  reason=verdict.reason),
                          requests=requests)
@@ -140,10 +152,16 @@ def markdown(report: CompareReport) -> str:
                      f"{_ms(pull.p99_ms, pull.p99_ci_ms)} | {_x(r.p99, r.p99_ci)} |")
     lines += ["", "Intervals are 90% bootstrap intervals over requests.",
               f"Failed requests: push {report.failed['push']} of {report.sent['push']}, pull "
-              f"{report.failed['pull']} of {report.sent['pull']}.", "",
+              f"{report.failed['pull']} of {report.sent['pull']}. Served in the mode of their segment, by the "
+              f"routers' logs: push {_proved(report, 'push')}, pull {_proved(report, 'pull')}.", "",
               "**Recommendation: " + (f"{report.verdict.mode}**" if report.verdict.mode else "either mode**")
               + f" ({report.verdict.reason}).", ""]
     return "\n".join(lines)
+
+
+def _proved(report: CompareReport, mode: Mode) -> str:
+    answered = report.sent[mode] - report.failed[mode]
+    return f"{answered - report.served_in_other_mode[mode] - report.unlogged[mode]} of {answered}"
 
 
 COLOURS: dict[Mode, str] = {"push": "#1f77b4", "pull": "#d62728"}

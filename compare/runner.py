@@ -22,7 +22,7 @@ from disagg.operator import api, names
 from disagg.operator.bindings import DinfResource
 
 from . import report, schedule, workload
-from .handoffs import handoffs
+from .handoffs import Served, served
 from .job import REPORT_KEY
 from .replay import replay
 from .settled import waiting_for
@@ -77,6 +77,18 @@ async def router_log(client: AsyncClient, ns: str, name: str, since_seconds: int
     return lines
 
 
+async def router_records(client: AsyncClient, ns: str, name: str, since: float, ids: set[str],
+                         wait: float = 30.0) -> dict[str, Served]:
+    """The routers' records since `since` (epoch seconds), once they hold every id of `ids` or `wait` has passed:
+    a router logs a request as it finishes, which can be just after the client read its last byte."""
+    deadline = time.monotonic() + wait
+    while True:
+        joined = served(await router_log(client, ns, name, int(time.time() - since) + 10))
+        if ids <= joined.keys() or time.monotonic() > deadline:
+            return joined
+        await asyncio.sleep(1)  # the routers' logs, read again
+
+
 async def segment(client: AsyncClient, session: aiohttp.ClientSession, args: argparse.Namespace, url: str,
                   model: str, index: int, mode: schedule.Mode, reqs: list[workload.WorkloadRequest],
                   arrivals: list[float]) -> list[report.RequestTiming]:
@@ -93,12 +105,17 @@ async def segment(client: AsyncClient, session: aiohttp.ClientSession, args: arg
 
     got = await replay(session, url, model, [r.tagged(tag) for r in reqs], arrivals, args.request_timeout,
                        progress)
-    joined = handoffs(await router_log(client, args.namespace, args.name, int(time.time() - started) + 10))
-    return [report.RequestTiming(mode=mode, segment=index, sent_s=t.sent_s, ok=t.ok,
-                                 ttft_ms=None if t.ttft_s is None else round(t.ttft_s * 1000, 3),
-                                 tpot_ms=None if t.tpot_s is None else round(t.tpot_s * 1000, 3),
-                                 handoff_ms=joined.get(t.request_id) if t.request_id else None, error=t.error)
-            for t in got]
+    joined = await router_records(client, args.namespace, args.name, started,
+                                  {t.request_id for t in got if t.ok and t.request_id})
+    out = []
+    for t in got:
+        how = joined.get(t.request_id) if t.request_id else None
+        out.append(report.RequestTiming(
+            mode=mode, segment=index, sent_s=t.sent_s, ok=t.ok,
+            ttft_ms=None if t.ttft_s is None else round(t.ttft_s * 1000, 3),
+            tpot_ms=None if t.tpot_s is None else round(t.tpot_s * 1000, 3),
+            handoff_ms=how.handoff_ms if how else None, served_mode=how.mode if how else None, error=t.error))
+    return out
 
 
 async def run(args: argparse.Namespace) -> report.CompareReport:

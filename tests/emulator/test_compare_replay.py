@@ -3,6 +3,8 @@ every request of a mixed workload (completions and chat) is timed as a client se
 the handoffs the router logs join to the client's requests by their X-Request-Id."""
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +13,7 @@ import aiohttp
 import pytest
 
 from disagg.compare import workload
-from disagg.compare.handoffs import handoffs
+from disagg.compare.handoffs import Served, served
 from disagg.compare.replay import replay
 from disagg.devcluster.emulated_engines import EmulatorSpec, LocalEmulator
 from disagg.devcluster.engines import LocalRendezvous
@@ -64,9 +66,14 @@ async def test_a_workload_is_replayed_on_schedule_and_every_request_is_timed(pai
     assert [t.sent_s for t in out] == arrivals
     ids = [t.request_id for t in out]
     assert all(ids) and len(set(ids)) == len(ids)
-    # The router's access log holds a handoff for each (push: prefill done to decode's first token).
-    joined = handoffs(pair.access_log.read_text().splitlines())
-    assert set(ids) <= set(joined) and all(joined[i] >= 0 for i in ids if i)
+    # The router's access log holds each: served in push, with a handoff (prefill done to decode's first token).
+    # It writes a record as the request finishes, which can be just after the client read its last byte.
+    deadline = time.monotonic() + 10
+    while not set(ids) <= set(joined := served(pair.access_log.read_text().splitlines())):
+        assert time.monotonic() < deadline, set(ids) - set(joined)
+        await asyncio.sleep(0.05)
+    assert all(joined[i].mode == "push" and joined[i].handoff_ms is not None and joined[i].handoff_ms >= 0
+               for i in ids if i)
 
 
 async def test_failures_are_named_not_raised(pair):
@@ -80,7 +87,7 @@ async def test_failures_are_named_not_raised(pair):
     assert not too_slow[0].ok and too_slow[0].error == "no answer in 0.05 s"
 
 
-def test_handoffs_skip_what_is_not_an_access_record():
-    lines = ['{"request_id": "a", "handoff_ms": 3.5}', "INFO starting", '{"request_id": "b", "handoff_ms": null}',
-             '{"request_id": null, "handoff_ms": 2}', "{broken", "[1]"]
-    assert handoffs(lines) == {"a": 3.5}
+def test_what_is_not_an_access_record_is_skipped():
+    lines = ['{"request_id": "a", "mode": "pull", "handoff_ms": 3.5}', "INFO starting",
+             '{"request_id": "b", "handoff_ms": null}', '{"request_id": null, "handoff_ms": 2}', "{broken", "[1]"]
+    assert served(lines) == {"a": Served("pull", 3.5), "b": Served(None, None)}

@@ -107,7 +107,8 @@ def test_the_verdict_table(ttft, tpot, failed, prefer, mode, noise, words):
 # -- report --------------------------------------------------------------------------------------------------------
 def timings(mode: str, segment: int, ttft: float, n: int, failed: int = 0) -> list[report.RequestTiming]:
     out = [report.RequestTiming(mode=mode, segment=segment, sent_s=i * 0.5, ok=True, ttft_ms=ttft + i % 5,
-                                tpot_ms=20.0 + i % 3, handoff_ms=5.0 if mode == "push" else 9.0) for i in range(n)]
+                                tpot_ms=20.0 + i % 3, handoff_ms=5.0 if mode == "push" else 9.0, served_mode=mode)
+           for i in range(n)]
     out += [report.RequestTiming(mode=mode, segment=segment, sent_s=99.0, ok=False, error="HTTP 502")
             for _ in range(failed)]
     return out
@@ -127,6 +128,7 @@ def test_a_report_summarises_each_mode_and_recommends_with_its_reason():
     assert report.CompareReport.model_validate_json(r.model_dump_json()) == r
     md = report.markdown(r)
     assert "**Recommendation: push**" in md and "| TTFT | 102.0 (" in md and "Failed requests: push 0 of 80" in md
+    assert "by the routers' logs: push 80 of 80, pull 80 of 80" in md
     root = ET.fromstring(report.svg(r))
     assert root.tag.endswith("svg") and len(root.findall("{http://www.w3.org/2000/svg}polyline")) == 2
 
@@ -138,3 +140,17 @@ def test_failed_requests_count_against_their_mode_and_are_left_out_of_the_timing
     assert r.failed == {"push": 4, "pull": 0} and r.summary["push"]["ttft"].n == 30
     assert r.verdict.mode == "pull" and "push failed 4 of 34" in r.verdict.reason
     assert "**Recommendation: pull**" in report.markdown(r)
+
+
+def test_a_segment_the_router_served_in_the_other_mode_voids_the_comparison():
+    """The proof that each segment ran in its mode is the router's own log: a rollout that had not finished would
+    put one mode's requests into the other's figures."""
+    wrong = [r.model_copy(update={"served_mode": "push"}) for r in timings("pull", 1, 200, 3)]
+    unlogged = [r.model_copy(update={"served_mode": None}) for r in timings("push", 0, 100, 2)]
+    reqs = timings("push", 0, 100, 40) + unlogged + timings("pull", 1, 200, 37) + wrong
+    r = report.build("ns/demo", report.Workload(source="x", requests=42, rate=1.0, seed=0), ["push", "pull"], reqs,
+                     resamples=100)
+    assert r.served_in_other_mode == {"push": 0, "pull": 3} and r.unlogged == {"push": 2, "pull": 0}
+    assert r.verdict.mode is None and not r.verdict.within_noise
+    assert "3 requests of the pull segments were served in the other mode" in r.verdict.reason
+    assert "push 40 of 42, pull 37 of 40" in report.markdown(r)
