@@ -27,7 +27,7 @@ from disagg.operator.bindings import DinfResource
 
 from . import report, schedule, workload
 from .arguments import LOAD_FLAGS
-from .job import LABEL_RUN, REPORT_KEY, CompareJob, objects
+from .job import LABEL_RUN, PLACEMENT, REPORT_KEY, CompareJob, objects
 
 
 def job_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -40,13 +40,11 @@ def deadline(args: argparse.Namespace, requests: int) -> int:
     return int(args.rollout_timeout * (segments + 1) + segments * (requests / args.rate + args.request_timeout))
 
 
-def router_image(client: Client, ns: str, name: str) -> str:
-    d = client.get(Deployment, names.router_name(name), namespace=ns)
-    assert d.spec is not None and d.spec.template.spec is not None
-    image = d.spec.template.spec.containers[0].image
-    if not image:
-        raise SystemExit(f"the router Deployment {ns}/{names.router_name(name)} names no image; pass --image")
-    return image
+def router_pod(client: Client, ns: str, name: str) -> tuple[str | None, tuple[tuple[str, Any], ...]]:
+    """The router's image and where its pods may run (job.PLACEMENT fields of its pod template)."""
+    d: Any = client.get(Deployment, names.router_name(name), namespace=ns)
+    pod = d.to_dict()["spec"]["template"]["spec"]
+    return pod["containers"][0].get("image"), tuple((k, pod[k]) for k in PLACEMENT if pod.get(k))
 
 
 def _job_state(client: Client, ns: str, job: str) -> str | None:
@@ -125,8 +123,12 @@ def main(args: argparse.Namespace) -> None:
     if cr.status is None or not cr.status.endpoint:
         raise SystemExit(f"disagg compare: {args.namespace}/{args.name} has no endpoint yet: is it Ready?")
     run = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(5))
-    cj = CompareJob(args.namespace, args.name, run, args.image or router_image(client, args.namespace, args.name),
-                    job_args(args), body, deadline(args, count))
+    found_image, placement = router_pod(client, args.namespace, args.name)
+    image = args.image or found_image
+    if not image:
+        raise SystemExit(f"disagg compare: the router of {args.namespace}/{args.name} names no image; pass --image")
+    cj = CompareJob(namespace=args.namespace, name=args.name, run=run, image=image, args=job_args(args),
+                    workload_jsonl=body, placement=placement, deadline_seconds=deadline(args, count))
     try:
         made: list[Any] = objects(cj)
     except ValueError as e:

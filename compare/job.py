@@ -17,6 +17,7 @@ from disagg.operator import api, names
 LABEL_RUN = "serving.disagg.io/compare"
 WORKLOAD_KEY = "workload.jsonl.gz"
 REPORT_KEY = "report.json.gz"
+PLACEMENT = ("nodeSelector", "tolerations", "affinity", "imagePullSecrets", "priorityClassName")
 CONFIGMAP_MAX_BYTES = 1_000_000
 """What one ConfigMap may hold (the apiserver refuses objects past about 1 MiB)."""
 
@@ -35,6 +36,9 @@ class CompareJob:
     """`disagg compare-run` arguments besides the CR, the workload file and the report ConfigMap."""
     workload_jsonl: bytes | None = None
     """The user's workload; None: the built-in synthetic one (its settings are in `args`)."""
+    placement: tuple[tuple[str, Any], ...] = ()
+    """Pod spec fields copied from the router's pod (PLACEMENT), so the Job runs where the router can: on the
+    nodes it selects and tolerates, pulling with its secrets."""
     deadline_seconds: int = 3600
 
     @property
@@ -97,7 +101,8 @@ def objects(job: CompareJob) -> list[dict[str, Any]]:
                 "spec": {"backoffLimit": 0, "activeDeadlineSeconds": job.deadline_seconds,
                          "ttlSecondsAfterFinished": 3600,
                          "template": {"metadata": {"labels": job.labels()},
-                                      "spec": {"serviceAccountName": job.base, "restartPolicy": "Never",
-                                               "containers": [container], "volumes": volumes}}}})
+                                      "spec": {**dict(job.placement), "serviceAccountName": job.base,
+                                               "restartPolicy": "Never", "containers": [container],
+                                               "volumes": volumes}}}})
     return out
 

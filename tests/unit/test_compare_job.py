@@ -43,6 +43,14 @@ def test_the_job_runs_compare_run_on_the_routers_image_with_a_role_for_this_cr_o
     assert objs["RoleBinding"]["subjects"][0]["name"] == "demo-compare-ab12c"
 
 
+def test_the_job_runs_where_the_router_runs():
+    taint = {"key": "disagg.io/cpu-engines", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+    placed = job.objects(compare_job(placement=(("nodeSelector", {"pool": "gpu"}), ("tolerations", [taint]))))
+    pod = by_kind(placed)["Job"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "gpu"} and pod["tolerations"] == [taint]
+    assert pod["serviceAccountName"] == "demo-compare-ab12c"
+
+
 def test_a_users_workload_travels_compressed_in_a_configmap_and_one_too_large_is_refused():
     text = b'{"prompt": "hello", "max_tokens": 4}\n' * 100
     objs = by_kind(job.objects(compare_job(workload_jsonl=text)))
