@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
+from .condition_metrics import ConditionStates
 from .planner_metrics import PlannerDecisions
 
 RECONCILES = Counter("disagg_operator_reconciles_total", "Reconcile passes by trigger and result",
@@ -32,3 +33,6 @@ AUTOSCALE_TICKS = Counter("disagg_operator_autoscale_ticks_total",
 PLANNER_DECISIONS = PlannerDecisions()
 """The planner's last decision per CR (disagg_planner_*), read at scrape time."""
 REGISTRY.register(PLANNER_DECISIONS)
+CONDITIONS = ConditionStates()
+"""Each CR's conditions (disagg_operator_condition), read at scrape time."""
+REGISTRY.register(CONDITIONS)

@@ -479,6 +479,7 @@ class Reconciler:
         meta = cr.metadata
         status = compute_status(cr.spec, int(meta.get("generation", 0)), observed, endpoint_url(cr), cr.status,
                                 _now())
+        metrics.CONDITIONS.record(meta["namespace"], meta["name"], status.conditions)
         if status == cr.status:
             return status
         body = status.dump()
@@ -494,6 +495,7 @@ class Reconciler:
         except ApiError as e:
             metrics.API_ERRORS.labels(kind=api.KIND, verb="patch-status").inc()
             if e.status.code == 404:  # deleted meanwhile
+                metrics.CONDITIONS.forget(meta["namespace"], meta["name"])
                 return None
             raise
         metrics.STATUS_WRITES.inc()
@@ -512,6 +514,7 @@ class Reconciler:
         return transport_event(before, cond)
 
     def forget(self, key: Key) -> None:
+        metrics.CONDITIONS.forget(*key)
         self._transport_status.pop(key, None)
         self._revisions.pop(key, None)
         self._apply_errors.pop(key, None)
