@@ -1,0 +1,85 @@
+"""The chart's monitoring (metrics.podMonitor, metrics.prometheusRule, metrics.grafanaDashboard): off by default;
+on, they render with the values' thresholds, and every series an alert or a panel reads is one the product
+exports. (That each query returns series from a running deployment, on a real Prometheus, is for the node tests.)"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from support.tools import ALL_OPTIONS, CHART, docs, helm
+
+ROOT = CHART.parents[1]
+SOURCES = ("operator", "connector")
+METRIC = re.compile(r"\b(disagg_[a-z_]+|vllm:[a-z_]+)")
+
+
+def rendered(*values: str) -> list[dict]:
+    args = [a for v in values for a in ("-f", v)]
+    return docs(helm("template", "demo", str(CHART), "--namespace", "disagg-system", *args).stdout)
+
+
+@pytest.fixture(scope="module")
+def everything() -> dict[str, dict]:
+    return {d["kind"]: d for d in rendered(str(ALL_OPTIONS)) if d["kind"] in ("PrometheusRule", "PodMonitor")
+            or d["metadata"]["name"].endswith("-dashboard")}
+
+
+def exported() -> str:
+    return "\n".join(p.read_text() for src in SOURCES for p in (ROOT / src).rglob("*.py"))
+
+
+def is_exported(name: str, code: str) -> bool:
+    """`name` is written in the product's code (the rendezvous writes its names as a prefix plus the rest)."""
+    rest = name.removeprefix("disagg_rendezvous_")
+    return f'"{name}' in code or (rest != name and f'p + "{rest}"' in code)
+
+
+def series(expr: str) -> set[str]:
+    return {re.sub(r"_(bucket|total)$", "", m) for m in METRIC.findall(expr)}
+
+
+def test_monitoring_is_off_by_default():
+    kinds = {d["kind"] for d in rendered()}
+    assert not kinds & {"PrometheusRule", "PodMonitor"}
+
+
+def test_the_rules_carry_the_values_thresholds_and_read_only_exported_series(everything):
+    rule = everything["PrometheusRule"]
+    assert rule["metadata"]["namespace"] == "monitoring"
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(rules) == {"DisaggTransportNotVerified", "DisaggNotReady", "DisaggNoPairs", "DisaggHandoffSlow",
+                          "DisaggRendezvousLeaseChurn", "DisaggOperatorReconcileErrors"}
+    assert rules["DisaggHandoffSlow"]["expr"].rstrip().endswith("> 0.25")
+    assert rules["DisaggRendezvousLeaseChurn"]["expr"].rstrip().endswith("> 10")
+    assert rules["DisaggNotReady"]["for"] == "30m" and rules["DisaggTransportNotVerified"]["for"] == "2m"
+    assert "$labels.namespace" in rules["DisaggNoPairs"]["annotations"]["summary"]  # left for Prometheus
+    code = exported()
+    for name, r in rules.items():
+        found = series(r["expr"])
+        assert found, name
+        for s in found:
+            assert is_exported(s, code), f"{name} reads {s}, which nothing exports"
+
+
+def test_the_podmonitor_scrapes_every_pod_the_operator_makes_with_the_labels_the_rules_read(everything):
+    pm = everything["PodMonitor"]["spec"]
+    assert pm["selector"] == {"matchLabels": {"app.kubernetes.io/managed-by": "disagg-operator"}}
+    assert pm["namespaceSelector"] == {"any": True}
+    assert "app.kubernetes.io/instance" in pm["podTargetLabels"]
+    assert pm["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "10s"}]
+
+
+def test_the_dashboard_is_the_charts_file_and_reads_only_exported_series(everything):
+    cm = everything["ConfigMap"]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["disagg.json"])
+    assert dashboard == json.loads((CHART / "files" / "dashboard.json").read_text())
+    code = exported()
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 12
+    for expr in exprs:
+        for s in series(expr):
+            assert is_exported(s, code), f"a panel reads {s}, which nothing exports"
