@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lightkube import Client, codecs
-from lightkube.core.exceptions import ApiError
+from lightkube.core.exceptions import ApiError, ConfigError
 from lightkube.resources.apps_v1 import Deployment
 from lightkube.resources.batch_v1 import Job
 from lightkube.resources.core_v1 import ConfigMap, Pod, ServiceAccount
@@ -113,8 +113,17 @@ def main(args: argparse.Namespace) -> None:
             raise SystemExit(f"disagg compare: {e}") from None
     else:
         count = args.requests
-    schedule.abba(args.rounds)  # refuses a bad count before anything is created
-    client = Client()
+    try:
+        if body is None:
+            workload.synthetic(args.requests, args.prompt_words, args.output_tokens, args.seed)
+        schedule.abba(args.rounds)
+        workload.arrivals(1, args.rate, args.seed)
+    except ValueError as e:
+        raise SystemExit(f"disagg compare: {e}") from None
+    try:
+        client = Client()
+    except ConfigError as e:
+        raise SystemExit(f"disagg compare: no cluster to talk to: {e}") from None
     try:
         found: Any = client.get(DinfResource, args.name, namespace=args.namespace)
         cr = api.DisaggregatedInference.model_validate(found.to_dict())

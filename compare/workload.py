@@ -105,8 +105,9 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 def synthetic(requests: int, prompt_words: int, output_tokens: int, seed: int) -> list[WorkloadRequest]:
     """`requests` completions of `prompt_words` random words each (no two sharing a prefix beyond chance, so no
     mode gains from a prefix cache), each asking for `output_tokens` tokens."""
-    if requests < 1 or prompt_words < 1:
-        raise WorkloadError("a synthetic workload needs at least one request of at least one word")
+    if requests < 1 or prompt_words < 1 or not 1 <= output_tokens <= MAX_OUTPUT_TOKENS:
+        raise WorkloadError("a synthetic workload needs at least one request of at least one word, and from 1 to "
+                            f"{MAX_OUTPUT_TOKENS} output tokens")
     rng = random.Random(seed)
     return [WorkloadRequest(prompt=" ".join(rng.choice(WORDS) for _ in range(prompt_words)),
                             max_tokens=output_tokens) for _ in range(requests)]

@@ -52,6 +52,8 @@ def test_synthetic_workloads_and_arrivals_are_seeded():
     t = workload.arrivals(2000, 4.0, seed=3)
     assert t == workload.arrivals(2000, 4.0, seed=3) and t == sorted(t)
     assert 2000 / t[-1] == pytest.approx(4.0, rel=0.1)
+    with pytest.raises(workload.WorkloadError, match="from 1 to"):
+        workload.synthetic(3, 4, 0, seed=1)
     with pytest.raises(workload.WorkloadError, match="rate must be positive"):
         workload.arrivals(3, 0.0, seed=1)
 
