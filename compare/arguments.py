@@ -8,7 +8,7 @@ from pathlib import Path
 from .schedule import MODES
 
 LOAD_FLAGS = ("requests", "prompt_words", "output_tokens", "rate", "rounds", "first", "prefer", "seed", "warmup",
-              "request_timeout", "rollout_timeout")
+              "request_timeout", "rollout_timeout", "switch")
 """The load arguments `disagg compare` passes on to the Job as they are."""
 
 
@@ -47,5 +47,10 @@ def add_load_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take (300)")
     p.add_argument("--rollout-timeout", type=float, default=1800.0,
                    help="seconds a mode switch may take to be served (1800)")
+    p.add_argument("--switch", choices=("surge", "recreate"), default="surge",
+                   help="how the mode changes. surge (default): the operator's rollout, new engines Ready before old "
+                   "ones go: it serves throughout, and needs room for one more engine per role. recreate: both "
+                   "roles to 0 through their /scale, the mode, then back: for nodes with no room for another "
+                   "engine; nothing is served during the switch")
 
 

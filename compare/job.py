@@ -12,7 +12,7 @@ import gzip
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.operator import api, names
+from disagg.operator import api, names, role_api
 
 LABEL_RUN = "serving.disagg.io/compare"
 WORKLOAD_KEY = "workload.jsonl.gz"
@@ -71,6 +71,9 @@ def objects(job: CompareJob) -> list[dict[str, Any]]:
              # A watch cannot be limited by resourceNames unless the client asks with a field selector on it,
              # which compare-run does; list is what a watch needs.
              {"apiGroups": [api.GROUP], "resources": [api.PLURAL], "verbs": ["list", "watch"]},
+             # --switch recreate: each role to 0 and back through its /scale.
+             {"apiGroups": [api.GROUP], "resources": [role_api.PLURAL], "verbs": ["get", "patch"],
+              "resourceNames": [names.role_object_name(job.name, r) for r in ("prefill", "decode")]},
              {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
              {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]},
              {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},

@@ -10,6 +10,7 @@ import gzip
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -20,12 +21,14 @@ from lightkube.types import PatchType
 
 from disagg.operator import api, names
 from disagg.operator.bindings import DinfResource
+from disagg.operator.rollout.state import ROLES
+from disagg.operator.scale_executor import RoleResource
 
 from . import report, schedule, workload
 from .handoffs import Served, served
 from .job import REPORT_KEY
 from .replay import replay
-from .settled import waiting_for
+from .settled import engines_left, waiting_for
 
 log = logging.getLogger("disagg.compare")
 
@@ -77,6 +80,39 @@ async def router_log(client: AsyncClient, ns: str, name: str, since_seconds: int
     return lines
 
 
+async def _until(client: AsyncClient, ns: str, name: str, what: str, done: Callable[[dict[str, Any]], bool],
+                 timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    log.info("waiting for %s", what)
+    while not done(await _get(client, ns, name)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{ns}/{name}: no {what} after {timeout:g} s")
+        await asyncio.sleep(2)  # the operator's progress, read from the CR's status
+
+
+async def recreate_in(client: AsyncClient, ns: str, name: str, mode: str, timeout: float) -> None:
+    """Switch to `mode` with the old engines gone first: each role to 0 through its /scale, the mode, each role
+    back to its count; return once it is served in `mode`. No-op when it has it."""
+    obj = await _get(client, ns, name)
+    if api.DisaggregatedInference.model_validate(obj).spec.kv_transfer.mode == mode:
+        return await serve_in(client, ns, name, mode, timeout)
+    counts: dict[str, int] = {}
+    for role in ROLES:
+        found: Any = await client.get(RoleResource, names.role_object_name(name, role), namespace=ns)
+        counts[role] = int(found.to_dict()["spec"]["replicas"])
+    log.info("stopping %s/%s's engines (%s) to switch to %s", ns, name,
+             ", ".join(f"{n} {r}" for r, n in counts.items()), mode)
+    for role in ROLES:
+        await client.patch(RoleResource, names.role_object_name(name, role), {"spec": {"replicas": 0}},
+                           namespace=ns, patch_type=PatchType.MERGE)
+    await _until(client, ns, name, "its engines to stop", lambda o: engines_left(o) == 0, timeout)
+    await set_mode(client, ns, name, mode)
+    for role in ROLES:
+        await client.patch(RoleResource, names.role_object_name(name, role), {"spec": {"replicas": counts[role]}},
+                           namespace=ns, patch_type=PatchType.MERGE)
+    await serve_in(client, ns, name, mode, timeout)
+
+
 async def router_records(client: AsyncClient, ns: str, name: str, since: float, ids: set[str],
                          wait: float = 30.0) -> dict[str, Served]:
     """The routers' records since `since` (epoch seconds), once they hold every id of `ids` or `wait` has passed:
@@ -126,6 +162,10 @@ async def run(args: argparse.Namespace) -> report.CompareReport:
         cr = api.DisaggregatedInference.model_validate(await _get(client, args.namespace, args.name))
         if cr.status is None or not cr.status.endpoint:
             raise SystemExit(f"{args.namespace}/{args.name} has no endpoint yet (status.endpoint): is it Ready?")
+        if args.switch == "recreate" and cr.spec.autoscaling is not None and cr.spec.autoscaling.mode == "Apply":
+            raise SystemExit("--switch recreate scales both roles to 0, which the autoscaling planner would undo: "
+                             "use --switch surge, or spec.autoscaling.mode: Recommend while comparing")
+        switch = recreate_in if args.switch == "recreate" else serve_in
         original, url, model = cr.spec.kv_transfer.mode, cr.status.endpoint, cr.spec.served_name
         log.info("%d requests at %g/s per segment, %d segments (%s), from %s; %s serves %s now", len(reqs),
                  args.rate, len(order), ", ".join(order), source, args.name, original)
@@ -133,14 +173,14 @@ async def run(args: argparse.Namespace) -> report.CompareReport:
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
                 for i, mode in enumerate(order):
-                    await serve_in(client, args.namespace, args.name, mode, args.rollout_timeout)
+                    await switch(client, args.namespace, args.name, mode, args.rollout_timeout)
                     timings += await segment(client, session, args, url, model, i, mode, reqs, arrivals)
         except asyncio.CancelledError:
             log.info("stopped: giving %s/%s its %s mode back", args.namespace, args.name, original)
             await asyncio.shield(set_mode(client, args.namespace, args.name, original))
             raise
         log.info("restoring %s", original)
-        await serve_in(client, args.namespace, args.name, original, args.rollout_timeout)
+        await switch(client, args.namespace, args.name, original, args.rollout_timeout)
         result = report.build(f"{args.namespace}/{args.name}",
                               report.Workload(source=source, requests=len(reqs), rate=args.rate, seed=args.seed),
                               order, timings, prefer=args.prefer, seed=args.seed)

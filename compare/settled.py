@@ -26,3 +26,11 @@ def waiting_for(obj: dict[str, Any], mode: str) -> str | None:
     if ready.status != "True":
         return f"Ready ({ready.reason}: {ready.message})" if ready.message else f"Ready ({ready.reason})"
     return None
+
+
+def engines_left(obj: dict[str, Any]) -> int:
+    """Engine pods the CR's revisions still run (draining ones included), by its status."""
+    status = api.DisaggregatedInference.model_validate(obj).status
+    if status is None:
+        return 0
+    return sum(r.prefill.replicas + r.decode.replicas for r in status.revisions)

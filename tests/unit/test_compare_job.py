@@ -10,7 +10,7 @@ import pytest
 
 from disagg import cli
 from disagg.compare import command, job, workload
-from disagg.compare.settled import waiting_for
+from disagg.compare.settled import engines_left, waiting_for
 from disagg.operator import names
 
 
@@ -31,6 +31,8 @@ def test_the_job_runs_compare_run_on_the_routers_image_with_a_role_for_this_cr_o
     rules = objs["Role"]["rules"]
     assert rules[0] == {"apiGroups": ["serving.disagg.io"], "resources": ["disaggregatedinferences"],
                         "resourceNames": ["demo"], "verbs": ["get", "patch"]}
+    assert {"apiGroups": ["serving.disagg.io"], "resources": ["disaggregatedroles"], "verbs": ["get", "patch"],
+            "resourceNames": ["demo-prefill", "demo-decode"]} in rules  # --switch recreate, through /scale
     assert not any("delete" in r["verbs"] or "*" in r["verbs"] for r in rules)
     spec = objs["Job"]["spec"]
     pod = spec["template"]["spec"]
@@ -66,14 +68,14 @@ def test_a_users_workload_travels_compressed_in_a_configmap_and_one_too_large_is
 
 def test_the_command_line_passes_every_load_setting_on_to_the_job():
     args = cli.parser().parse_args(["compare", "demo", "-n", "ns", "--rate", "3.5", "--rounds", "3",
-                                    "--first", "pull", "--prefer", "tpot"])
+                                    "--first", "pull", "--prefer", "tpot", "--switch", "recreate"])
     passed = command.job_args(args)
     run = cli.parser().parse_args(["compare-run", "--name", "demo", "--namespace", "ns", "--report-configmap", "r",
                                    *passed])
     for key in ("requests", "prompt_words", "output_tokens", "rate", "rounds", "first", "prefer", "seed", "warmup",
-                "request_timeout", "rollout_timeout"):
+                "request_timeout", "rollout_timeout", "switch"):
         assert getattr(run, key) == getattr(args, key), key
-    assert (run.rate, run.rounds, run.first, run.prefer) == (3.5, 3, "pull", "tpot")
+    assert (run.rate, run.rounds, run.first, run.prefer, run.switch) == (3.5, 3, "pull", "tpot", "recreate")
     # Each of 6 segments: a rollout, 200 requests at 3.5/s, a request's timeout; and the way back.
     assert command.deadline(args, 200) == int(1800 * 7 + 6 * (200 / 3.5 + 300))
 
@@ -112,6 +114,15 @@ def cr(mode: str = "push", generation: int = 3, observed: int = 3, served: str =
 def test_a_deployment_is_served_in_a_mode_once_its_rollout_is_complete_and_ready(obj, words):
     got = waiting_for(obj, "push")
     assert got is None if words is None else words in got
+
+
+def test_engines_left_counts_every_revisions_pods():
+    obj = cr(revisions=2)
+    obj["status"]["revisions"][0].update({"prefill": {"replicas": 1}, "decode": {"replicas": 2}})
+    obj["status"]["revisions"][1].update({"prefill": {"replicas": 1}})
+    assert engines_left(obj) == 4
+    obj["status"]["revisions"] = []
+    assert engines_left(obj) == 0
 
 
 def test_building_the_command_line_imports_no_client_library():
