@@ -6,6 +6,7 @@ of engines it is spread over: the planner divides it by a per-engine threshold t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..rollout.state import Role
@@ -68,6 +69,13 @@ class RouterWindow:
     def arrival_rate(self) -> float:
         """Requests per second offered."""
         return self.arrivals / self.seconds
+
+    def arrival_rate_bounds(self, deviations: float = 1.0) -> tuple[float, float]:
+        """The offered rate the window's count proves and the one it allows: the arrivals less and plus
+        `deviations` Poisson standard deviations (the square root of the count), per second. Both rise with the
+        count, and they close in on the rate as the window holds more requests."""
+        spread = deviations * math.sqrt(self.arrivals)
+        return max(0.0, self.arrivals - spread) / self.seconds, (self.arrivals + spread) / self.seconds
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,11 @@ and nothing is remembered between calls (the caller passes the time since each r
 Signals. Each role reads its load as signals; each says what count it calls for (`grow_to`, 0 for none) and the
 fewest engines that would keep it under the band (`shrink_to`, None when it forbids shrinking):
 - throughput (when the policy gives one engine's tokens per second): demand = arrivals per second x mean prompt
-  tokens (prefill) or mean output tokens (decode); grow_to = ceil(demand / per-engine), shrink_to =
-  ceil(demand / (per-engine x band)). Arrivals include refused requests, so the floor counts what was offered.
+  tokens (prefill) or mean output tokens (decode); grow_to = ceil(low / per-engine), shrink_to =
+  ceil(high / (per-engine x band)), where low and high are the demand of the window's arrivals less and plus one
+  Poisson standard deviation (their square root): a few requests more or fewer than the rate in a short window
+  neither add an engine nor take one away, while a step in load soon shows in more arrivals than the deviation.
+  Arrivals include refused requests, so the floor counts what was offered.
   Prefill's demand also has its backlog: the requests waiting (in its engines and in the router) x mean prompt
   tokens, to be computed within the TTFT target, so a step in load that built a queue before the planner saw it
   is met with the engines that clear the queue in time, not only those that keep up from then on;
@@ -70,10 +73,21 @@ def engines_for(total: float, per_engine: float) -> int:
     return max(0, math.ceil(total / per_engine - _EPSILON))
 
 
+def _tokens(role: Role, observed: Observed) -> float:
+    w = observed.window
+    return w.mean_input_tokens if role == "prefill" else w.mean_output_tokens
+
+
 def demand(role: Role, observed: Observed) -> float:
     """Offered load in the role's tokens per second."""
-    w = observed.window
-    return w.arrival_rate * (w.mean_input_tokens if role == "prefill" else w.mean_output_tokens)
+    return observed.window.arrival_rate * _tokens(role, observed)
+
+
+def demand_bounds(role: Role, observed: Observed) -> tuple[float, float]:
+    """The offered load the window proves and the load it allows, in the role's tokens per second: its arrivals
+    less and plus one Poisson standard deviation (observed.RouterWindow.arrival_rate_bounds)."""
+    low, high = observed.window.arrival_rate_bounds()
+    return low * _tokens(role, observed), high * _tokens(role, observed)
 
 
 def backlog(role: Role, observed: Observed, policy: AutoscalingPolicy) -> float:
@@ -97,10 +111,13 @@ def signals(role: Role, observed: Observed, policy: AutoscalingPolicy, n: int) -
     if per_engine is not None:
         unit = "prompt" if role == "prefill" else "output"
         offered, queue = demand(role, observed), backlog(role, observed, policy)
-        reading = f"{offered:.0f} {unit} tokens/s"
+        low, high = demand_bounds(role, observed)
+        reading = (f"{offered:.0f} {unit} tokens/s ({low:.0f}-{high:.0f} by the window's "
+                   f"{window.arrivals} arrivals)")
         if queue:
             reading += f" and {queue:.0f} to clear the waiting requests within the TTFT target"
-        out.append(_proportional(offered + queue, per_engine, band, f"{reading} at {per_engine:g} per engine"))
+        out.append(Signal(engines_for(low + queue, per_engine), engines_for(high + queue, per_engine * band),
+                          f"{reading} at {per_engine:g} per engine"))
     out.append(_proportional(load.kv_usage, policy.kv_usage_high, band,
                              f"KV usage {load.kv_usage:.2f} engines' worth (level {policy.kv_usage_high:g})"))
     out.append(_proportional(load.waiting, policy.waiting_high, band,

@@ -21,12 +21,25 @@ SITUATIONS = {
         Steady, (2, 2), ("steady at 2", "steady at 2")),
     "a step in load is met by the throughput floors in one decision": (
         observe(1, 1, rps=5, isl=1600, osl=200, ttft=300, tpot=40), POLICY,
-        Rescale, (4, 2), ("1 → 4: 8000 prompt tokens/s at 2000 per engine calls for 4",
-                          "1 → 2: 1000 output tokens/s")),
+        Rescale, (4, 2), ("1 → 4: 8000 prompt tokens/s (7538-8462 by the window's 300 arrivals) at 2000 per "
+                          "engine calls for 4", "1 → 2: 1000 output tokens/s")),
     "a queue built before the planner saw a step is cleared within the TTFT target": (
         observe(1, 1, rps=1, isl=2000, osl=100, ttft=3000, tpot=40, waiting=(4, 0), queued=2), POLICY,
-        Rescale, (5, 1), ("1 → 5 (at most 4 more per decision): 2000 prompt tokens/s and 12000 to clear the waiting "
-                          "requests within the TTFT target at 2000 per engine calls for 7", "steady at minReplicas 1")),
+        Rescale, (5, 1), ("1 → 5 (at most 4 more per decision): 2000 prompt tokens/s (1742-2258 by the window's 60 "
+                          "arrivals) and 12000 to clear the waiting requests within the TTFT target at 2000 per "
+                          "engine calls for 7", "steady at minReplicas 1")),
+    # A 15-s window at a quarter of an engine's load holds about 4 requests; a Poisson burst of 8 reads as 1.07
+    # engines' worth, which grew the role and shrank it a minute later at steady load (bench/autoscale.py).
+    "a short window's burst at a steady low load adds no engine": (
+        observe(1, 1, seconds=15, rps=8 / 15, isl=4000, osl=0, ttft=500, tpot=30), POLICY,
+        Steady, (1, 1), ("steady at minReplicas 1", "steady at minReplicas 1")),
+    "a step to twice an engine's load shows beyond the deviation in the same short window": (
+        observe(1, 1, seconds=15, rps=1, isl=4000, osl=0, ttft=500, tpot=30), POLICY,
+        Rescale, (2, 1), ("1 → 2: 4000 prompt tokens/s (2967-5033 by the window's 15 arrivals)",
+                          "steady at minReplicas 1")),
+    "a short window's lull does not take away an engine the load may still need": (
+        observe(2, 1, seconds=15, rps=4 / 15, isl=4000, osl=0, ttft=500, tpot=30), POLICY,
+        Steady, (2, 1), ("steady at 2", "steady at minReplicas 1")),
     "growth beyond one step is taken max_step at a time, and never past the maximum": (
         observe(1, 1, rps=10, isl=2000, osl=0, ttft=300, tpot=30), POLICY,
         Rescale, (5, 1), ("1 → 5 (at most 4 more per decision, maxReplicas 8)", "steady at minReplicas 1")),
