@@ -470,8 +470,10 @@ class RolloutSpec(Model):
 
     max_surge: int = Field(default=1, ge=1, le=MAX_ENGINE_REPLICAS)
     """Engines per role the rollout may run above the role's replicas while older engines remain: what a step
-    adds when the old revision is still whole. Surge needs spare accelerators; with none, raise maxUnavailable
-    so old engines are drained first."""
+    adds when the old revision is still whole. A rollout always needs room for at least one more engine per role:
+    older engines of a role are drained only once a new one of that role serves, so that new engines that fail
+    leave the old revision serving in full. With no spare accelerators, scale the roles down first (their
+    /scale), then change the spec."""
     max_unavailable: int = Field(default=0, ge=0, le=MAX_ENGINE_REPLICAS)
     """Prefill/decode pairs the rollout may serve below the desired pairs (min of the two roles' replicas)."""
     max_skew: int = Field(default=1, ge=1, le=MAX_ENGINE_REPLICAS)
