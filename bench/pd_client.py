@@ -4,17 +4,17 @@ timed from send to first token; and the statistics and CPU accounting of those t
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
+from disagg.compare.replay import data_events as sse_events
 from disagg.compare.stats import quantile, ratio_ci
 from disagg.connector.router import pd_protocol as pd
 from disagg.connector.wire.advertisement import EngineAdvertisement
@@ -43,18 +43,6 @@ class Result:
 def completion_body(prompt: str, max_tokens: int) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-
-
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
-    """Each `data:` event of an SSE stream, parsed, as it arrives; `[DONE]` and other lines skipped."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            line = line.strip()
-            if line.startswith(b"data:") and line != b"data: [DONE]":
-                yield json.loads(line[5:])
 
 
 async def read_stream(resp: aiohttp.ClientResponse, res: Result) -> None:

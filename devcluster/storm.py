@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import aiohttp
 
+from disagg.compare.replay import data_events
+
 ALPHABET = "abcdefghijklmnopqrstuvwxyz     "
 Endpoint = Literal["completions", "chat"]
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -145,24 +147,16 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]
         rid = r.headers.get("X-Request-Id")
         if r.status != 200:
             return r.status, (await r.text())[:300], rid, None
-        buf = b""
-        async for chunk in r.content.iter_any():
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                line = line.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                data = json.loads(line[5:])
-                if "error" in data:
-                    return 502, json.dumps(data)[:300], rid, ttft
-                for ch in data.get("choices", []):
-                    parts.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
-                if ttft is None:
-                    ttft = time.monotonic() - t0
-                n += 1
-                if on_chunk is not None:
-                    on_chunk(n)
+        async for data in data_events(r):
+            if "error" in data:
+                return 502, json.dumps(data)[:300], rid, ttft
+            for ch in data.get("choices", []):
+                parts.append(ch.get("text") or (ch.get("delta") or {}).get("content") or "")
+            if ttft is None:
+                ttft = time.monotonic() - t0
+            n += 1
+            if on_chunk is not None:
+                on_chunk(n)
     return 200, "".join(parts), rid, ttft
 
 
