@@ -36,12 +36,12 @@ from .autoscaling import outcome as outcomes
 from .autoscaling import planner, policy, scrape, tracker
 from .bindings import DinfResource
 from .meta import FIELD_MANAGER, cr_name, namespace_of
+from .names import Key
 from .planner_metrics import PlannerDecisions
 from .rollout.state import ROLES, Role
 from .scale.counts import LiveRole
 from .scale_executor import RoleResource
 
-Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
 EventFn = Callable[[str, str, str], None]  # (type Normal|Warning, reason, message)
 
 log = logging.getLogger("disagg.operator.autoscale")

@@ -19,6 +19,7 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 
 from . import api, metrics, names
+from .names import Key
 
 DinfResource = create_namespaced_resource(api.GROUP, api.VERSION, api.KIND, api.PLURAL)
 
@@ -37,7 +38,6 @@ async def live_cr(client: AsyncClient, namespace: str, name: str) -> Any | None:
         return None
     return obj
 
-Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
 
 
 class BindingCollector:

@@ -14,10 +14,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .api import Condition
+from .names import Key
 
 STATUSES = ("True", "False", "Unknown")
-Key = tuple[str, str]
-"""(namespace, name) of a DisaggregatedInference."""
 
 
 class ConditionStates(Collector):

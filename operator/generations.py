@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
+from .names import Key
+
 Trigger = Literal["resume", "create", "update"]
 
 

@@ -52,7 +52,8 @@ from . import api, metrics, names, role_api
 from .autoscale_executor import Autoscaler
 from .generations import Generations
 from .meta import timestamp
-from .reconciler import ApplyFailed, Key, Reconciler
+from .names import Key
+from .reconciler import ApplyFailed, Reconciler
 from .rollout.state import Role
 from .scale.counts import LiveRole, RoleScale
 from .scale.objects import live_role

@@ -12,6 +12,8 @@ from disagg.connector.wire import env as wire_env
 if TYPE_CHECKING:
     from .api import DisaggregatedInferenceSpec
 
+Key = tuple[str, str]
+"""A DisaggregatedInference's (namespace, name): how the operator's loops, caches and metrics know a CR."""
 ENGINE_ROLES = wire_env.ROLES
 ROUTER = "router"
 RENDEZVOUS = "rendezvous"

@@ -25,11 +25,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .autoscaling.decision import Decision, Limited, Rescale, Steady, Waiting
+from .names import Key
 from .rollout.state import ROLES
 
 KINDS = (Rescale, Steady, Limited, Waiting)
-Key = tuple[str, str]
-"""(namespace, name) of a DisaggregatedInference."""
 
 
 _ROLE_FAMILIES = {

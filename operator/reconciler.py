@@ -32,6 +32,7 @@ from .engine_builders import Pinned, pinned_revision
 from .meta import FIELD_MANAGER, object_meta
 from .meta import cr_name as meta_name
 from .meta import namespace_of as meta_namespace
+from .names import Key
 from .plan import Applied, ApplyPlan, ChildKey, child_key, child_marker, digest, plan_children
 from .rollout import revisions
 from .rollout.state import RevisionState, Role, RoleState
@@ -47,8 +48,6 @@ from .status import (
     condition,
     transport_event,
 )
-
-Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
 
 
 @dataclass

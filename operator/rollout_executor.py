@@ -25,13 +25,13 @@ from lightkube.types import PatchType
 
 from . import metrics
 from .meta import FIELD_MANAGER
+from .names import Key
 from .rollout import actions as rollout_actions
 from .rollout.planner import plan
 from .rollout.revisions import RevisionSets
 from .rollout.state import Observed, RolloutPolicy
 from .rollout.steps import Blocked, Complete, Plan, Progress, Waiting
 
-Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
 ApplyFn = Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], bool]]]
 EventFn = Callable[[str, str, str], None]  # (type Normal|Warning, reason, message)
 

@@ -23,13 +23,13 @@ from lightkube.types import PatchType
 
 from . import api, metrics, names, role_api
 from .meta import FIELD_MANAGER, cr_name, namespace_of
+from .names import Key
 from .rollout.state import ROLES, Role
 from .scale.counts import LiveRole, RoleScale, decide, kept, remembered
 from .scale.objects import live_role, role_object, role_status, role_update
 
 RoleResource = create_namespaced_resource(api.GROUP, api.VERSION, role_api.KIND, role_api.PLURAL)
 WRITE_ATTEMPTS = 3
-Key = tuple[str, str]  # (namespace, name)
 
 
 @dataclass

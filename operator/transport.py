@@ -24,9 +24,9 @@ from pydantic import ValidationError
 from disagg.connector.rendezvous.client import RendezvousClient, RendezvousError
 
 from . import metrics, names
+from .names import Key
 from .status import EngineTransport, TransportReport
 
-Key = tuple[str, str]  # (namespace, name) of a DisaggregatedInference
 DEFAULT_TEMPLATE = names.rendezvous_url("{name}", "{namespace}")
 """The in-cluster Service of each deployment's rendezvous (names.rendezvous_url), as a template."""
 
