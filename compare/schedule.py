@@ -2,9 +2,12 @@
 (a warming cache, a neighbour's load) falls on both modes alike."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import TypeAlias
 
-Mode = Literal["push", "pull"]
+from disagg.connector.wire.advertisement import KvMode
+
+Mode: TypeAlias = KvMode
+
 MODES: tuple[Mode, Mode] = ("push", "pull")
 
 

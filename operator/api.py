@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from disagg.connector.wire.advertisement import KvMode
 from disagg.connector.wire.emulator import DEFAULT_PROFILE as DEFAULT_EMULATOR_PROFILE
 from disagg.connector.wire.emulator import PROFILES as EMULATOR_PROFILES
 from disagg.connector.wire.emulator import TRANSPORT as EMULATED_TRANSPORT
@@ -237,7 +238,7 @@ class KVTransferSpec(Model):
                  "self.connector", "self.mode", "self.mode", f"'{' or '.join(sorted(PUSH_CONNECTORS))}'"),
              field_path=".connector"),
     ))
-    mode: Literal["push", "pull"] = "push"
+    mode: KvMode = "push"
     """`push`: decode pre-registers its blocks and prefill WRITEs KV as soon as it finishes (NixlPushConnector).
     `pull`: decode READs KV after prefill returns (NixlConnector)."""
     connector: str | None = Field(default=None, min_length=1)

@@ -8,9 +8,11 @@ scale`, an HPA or KEDA write its spec.replicas through /scale; the operator runs
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import ConfigDict, Field
+
+from disagg.connector.wire.advertisement import Role
 
 from .api import GROUP, MAX_ENGINE_REPLICAS, NAME_LIMIT, VERSION, Model, _cel, _validations
 
@@ -32,7 +34,7 @@ class DisaggregatedRoleSpec(Model):
     deployment: str = Field(min_length=1, max_length=NAME_LIMIT.length, json_schema_extra=_validations(
         _cel(_IMMUTABLE, "deployment is immutable: a DisaggregatedRole belongs to one DisaggregatedInference")))
     """The DisaggregatedInference (in the same namespace) whose role this is. Set by the operator; immutable."""
-    role: Literal["prefill", "decode"] = Field(json_schema_extra=_validations(
+    role: Role = Field(json_schema_extra=_validations(
         _cel(_IMMUTABLE, "role is immutable: a DisaggregatedRole scales one role")))
     """The role this object scales: prefill or decode. Set by the operator; immutable."""
     replicas: int = Field(ge=0, le=MAX_ENGINE_REPLICAS)

@@ -7,10 +7,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..wire.advertisement import KvMode as KvMode  # the one definition: the wire contract's
 from . import prefix_cache as pc
 from .scheduler import Phase
-
-KvMode = Literal["push", "pull"]
 
 
 @dataclass(frozen=True)

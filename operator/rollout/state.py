@@ -11,9 +11,9 @@ Each state checks itself when built, so the planner only ever sees a consistent 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-Role = Literal["prefill", "decode"]
+from disagg.connector.wire.advertisement import Role as Role  # the one definition: the wire contract's
+
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 
