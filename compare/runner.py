@@ -60,13 +60,20 @@ async def set_mode(client: AsyncClient, ns: str, name: str, mode: str) -> None:
 async def serve_in(client: AsyncClient, ns: str, name: str, mode: str, timeout: float) -> None:
     """Switch the CR to `mode` and return once it is served in it."""
     await set_mode(client, ns, name, mode)
+    await _until(client, ns, name, lambda o: waiting_for(o, mode), timeout)
+
+
+async def _until(client: AsyncClient, ns: str, name: str, waiting: Callable[[dict[str, Any]], str | None],
+                 timeout: float) -> None:
+    """Return once `waiting(cr)` is None: it says, in words, what the CR is still waiting for (logged when it
+    changes)."""
     deadline, said = time.monotonic() + timeout, None
-    while (wait := waiting_for(await _get(client, ns, name), mode)) is not None:
+    while (wait := waiting(await _get(client, ns, name))) is not None:
         if wait != said:
             log.info("waiting for %s", wait)
             said = wait
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{ns}/{name} not served in {mode} after {timeout:g} s: waiting for {wait}")
+            raise TimeoutError(f"{ns}/{name}: still waiting for {wait} after {timeout:g} s")
         await asyncio.sleep(2)  # the operator's progress, read from the CR's status
 
 
@@ -78,16 +85,6 @@ async def router_log(client: AsyncClient, ns: str, name: str, since_seconds: int
         async for line in client.log(pod.metadata.name, namespace=ns, since=since_seconds):
             lines.append(line)
     return lines
-
-
-async def _until(client: AsyncClient, ns: str, name: str, what: str, done: Callable[[dict[str, Any]], bool],
-                 timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    log.info("waiting for %s", what)
-    while not done(await _get(client, ns, name)):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{ns}/{name}: no {what} after {timeout:g} s")
-        await asyncio.sleep(2)  # the operator's progress, read from the CR's status
 
 
 async def recreate_in(client: AsyncClient, ns: str, name: str, mode: str, timeout: float) -> None:
@@ -105,7 +102,7 @@ async def recreate_in(client: AsyncClient, ns: str, name: str, mode: str, timeou
     for role in ROLES:
         await client.patch(RoleResource, names.role_object_name(name, role), {"spec": {"replicas": 0}},
                            namespace=ns, patch_type=PatchType.MERGE)
-    await _until(client, ns, name, "its engines to stop", lambda o: engines_left(o) == 0, timeout)
+    await _until(client, ns, name, lambda o: f"{n} engines to stop" if (n := engines_left(o)) else None, timeout)
     await set_mode(client, ns, name, mode)
     for role in ROLES:
         await client.patch(RoleResource, names.role_object_name(name, role), {"spec": {"replicas": counts[role]}},
