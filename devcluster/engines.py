@@ -59,6 +59,9 @@ class EngineSpec:
     """Publish KV cache events (vLLM's `--kv-events-config`, on two ports of its own) and advertise them, and report
     cached prompt tokens in each answer's usage: what a prefix-aware router needs (the operator renders the same)."""
     kv_events_ports: tuple[int, int] = (0, 0)
+    drain_seconds: int = 5
+    """How long a stopped engine finishes what it holds (`--shutdown-timeout`, the CR's `engine.drainSeconds`) before
+    it aborts the rest; 0 aborts at once."""
     netns: Slot | None = None
     """A network namespace of its own (devcluster/netns.py), as a pod has: the engine listens on its address and
     its KV crosses a link. None: the host's namespace, on loopback."""
@@ -147,8 +150,7 @@ class LocalEngine:
                 # In a namespace of its own, all addresses, as in a pod: the plugin's warm-up calls 127.0.0.1.
                 "--host", "0.0.0.0" if s.netns else "127.0.0.1",
                 "--port", str(s.port), "--seed", "0",
-                # Let the engine core run its shutdown (and the plugin deregister) instead of being killed at once.
-                "--shutdown-timeout", "5"]
+                "--shutdown-timeout", str(s.drain_seconds)]
         if s.num_blocks is not None:
             argv += ["--num-gpu-blocks-override", str(s.num_blocks)]
         if (cfg := s.kv_transfer_config()) is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -29,9 +30,11 @@ pytestmark = pytest.mark.engines
 RATE_PER_S = 1.0
 """Well below what the pair serves here (a salt each: no prefix-cache hit), so the requests held while no prefill
 is left (about 40 s of them) clear within the read timeout once the replacement is up."""
-BURST = 16
-"""More than the prefill drains in its 5 s here (a few requests a second: each WRITE crosses on one CPU core), so
-the stop also leaves requests that must run again."""
+BURST = 24
+"""Sent at once on top of the stream."""
+HELD_AT_STOP = 12
+"""Requests the prefill holds when it is stopped. It drains that many within a second here, so it is a prefill with
+no drain that leaves requests to run again."""
 PAIR_WAIT_S = 120.0
 """Long enough for a replacement prefill to start and advertise itself (about 40 s here)."""
 READ_TIMEOUT_S = 180.0
@@ -124,11 +127,11 @@ class OpenLoop(threading.Thread):
 
 
 def test_a_push_prefill_stopped_as_the_kubelet_does_under_load_loses_no_request(stop_pair, reference):
-    """A steady stream of streamed requests, and a burst on top of it; SIGTERM to the API server once the prefill
-    holds requests (computing, queued, or done with their WRITE pending), then SIGKILL to what is left at the end
-    of the grace period, as the kubelet does. What the prefill cannot finish within its drain runs again on its
-    replacement; nothing hangs or fails. Every answer equals a single engine's, and decode computed no prompt of
-    its own."""
+    """A steady stream of streamed requests, and a burst on top of it; SIGTERM to the prefill's API server once it
+    holds many requests (computing, queued, or done with their WRITE pending), then SIGKILL to what is left at the
+    end of the grace period, as the kubelet does. Twice: a prefill that drains finishes what it holds; one with no
+    drain (`drainSeconds: 0`) aborts it, and the router runs it again on the replacement. Nothing hangs or fails,
+    every answer equals a single engine's, and decode computed no prompt of its own."""
     url, prefill, decode = stop_pair.router.url, stop_pair.prefill, stop_pair.decode
     await_status(url + "/health")
     source = "vllm:prompt_tokens_by_source_total"
@@ -139,37 +142,65 @@ def test_a_push_prefill_stopped_as_the_kubelet_does_under_load_loses_no_request(
     load.start()
     try:
         load.wait_until(lambda: sum(1 for _, o, _ in load.sent if o.done) >= 10)  # the stream is going
-        api_server = prefill.processes()[0]
-        for _ in range(BURST):
-            load.send()
-        while metric(prefill.url, "vllm:num_requests_running") + metric(prefill.url, "vllm:num_requests_waiting") < 1:
-            time.sleep(0.01)  # another process's state: nothing to await but polling
-        t_stop = time.monotonic()
-        os.kill(api_server, signal.SIGTERM)
-        try:
-            prefill.proc.wait(GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(prefill.proc.pid, signal.SIGKILL)  # the end of the pod's grace period
-            prefill.proc.wait()
-        t_gone = time.monotonic()
+        drained_after = stop_as_the_kubelet_does(load, prefill)
         drained = log_lines(prefill, "draining in-flight requests")
-        prefill.start().wait_ready()
-        await_status(url + "/health", timeout=60)
-        n = len(load.sent)
-        load.wait_until(lambda: len(load.sent) >= n + 10)
+        prefill.spec.drain_seconds = 0
+        replace(prefill, url, load)
+        retried = metric(url, "disagg_router_prefill_retries_total")
+        aborted_after = stop_as_the_kubelet_does(load, prefill)
+        replace(prefill, url, load)
     finally:
         results = load.finish()
-    bad = [(round(o.sent - t_stop, 2), round(o.done - t_stop, 2), o.status, o.error, o.text[:40], i)
+    retried = metric(url, "disagg_router_prefill_retries_total") - retried
+    bad = [(round(o.sent, 2), round(o.done, 2), o.status, o.error, o.text[:40], i)
            for i, o in results if o.status != 200 or o.error or o.text != reference[("completion", i)]]
-    retried = metric(url, "disagg_router_prefill_retries_total")
-    print(f"{len(results)} sent; prefill gone {t_gone - t_stop:.1f} s after SIGTERM; {drained}; {retried:g} retried")
-    assert drained, "the stop found no request in flight: it proved nothing"
-    assert retried >= 1, "the prefill drained everything: the requests it could not finish were not exercised"
+    print(f"{len(results)} sent; a draining prefill gone {drained_after:.1f} s after SIGTERM ({drained}), one with "
+          f"no drain {aborted_after:.1f} s after; {retried:g} retried")
+    assert [n for n in map(held_at_drain, drained) if n >= 1], "the drain found no request in flight: it proved nothing"
+    assert drained_after < GRACE_S, "the drain did not end on its own within the grace period"
+    assert retried >= 1, "the aborted requests were not run again"
     assert bad == []
     legs = metric(url, "disagg_router_decode_legs_total", mode="push") - legs
     assert metric(decode.url, source, source="local_compute") - computed <= legs
     assert metric(decode.url, source, source="external_kv_transfer") > received
     assert metric(prefill.url, "vllm:nixl_xfer_time_seconds_count") >= 1  # the replacement WRITEs too
+
+
+def stop_as_the_kubelet_does(load: OpenLoop, prefill) -> float:
+    """A burst on top of the stream; SIGTERM to the prefill's API server once it holds HELD_AT_STOP requests, and
+    SIGKILL to its processes at the end of the grace period. Returns the seconds from SIGTERM until it was gone."""
+    api_server = prefill.processes()[0]
+    for _ in range(BURST):
+        load.send()
+    deadline = time.monotonic() + 30
+    while held(prefill.url) < HELD_AT_STOP:
+        assert time.monotonic() < deadline, f"the prefill never held {HELD_AT_STOP} requests at once"
+        time.sleep(0.01)  # another process's state: nothing to await but polling
+    t_stop = time.monotonic()
+    os.kill(api_server, signal.SIGTERM)
+    try:
+        prefill.proc.wait(GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(prefill.proc.pid, signal.SIGKILL)  # the end of the pod's grace period
+        prefill.proc.wait()
+    return time.monotonic() - t_stop
+
+
+def replace(prefill, url: str, load: OpenLoop) -> None:
+    """The stopped prefill's replacement, up and serving the stream (ten more requests sent)."""
+    prefill.start().wait_ready()
+    await_status(url + "/health", timeout=60)
+    n = len(load.sent)
+    load.wait_until(lambda: len(load.sent) >= n + 10)
+
+
+def held_at_drain(line: str) -> int:
+    """The count in vLLM's `draining in-flight requests count=N` line."""
+    return int(re.search(r"count=(\d+)", line).group(1))
+
+
+def held(url: str) -> float:
+    return metric(url, "vllm:num_requests_running") + metric(url, "vllm:num_requests_waiting")
 
 
 def metric(url: str, name: str, **labels: str) -> float:
