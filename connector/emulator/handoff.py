@@ -232,7 +232,10 @@ class KvHandoff:
         req.external = len(req.prompt) - req.local_hit
         self._publish(self._store_full_blocks(req))
         req.phase = "remote_ready"
-        self.waiting.append(req)
+        # At the queue's head: it holds its blocks already, and vLLM keeps a request waiting for its KV in the
+        # waiting queue ahead of later arrivals. Behind a request that does not fit, which stops admission, it would
+        # wait for blocks that only its own progress frees: the decode would stall until its timeout.
+        self.waiting.appendleft(req)
         self._wake.set()
 
     def _fail(self, req: Request, message: str) -> None:
