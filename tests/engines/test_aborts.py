@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import threading
 import time
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -28,7 +30,7 @@ import pytest
 from disagg.connector.router import pd_protocol
 from disagg.devcluster import storm, tinymodel
 from support.engine_pair import Pair
-from support.engines import await_log, await_status, completion, log_lines, post, push_decode_leg
+from support.engines import KvMoved, await_log, await_status, completion, log_lines, post, push_decode_leg
 from support.metrics import scrape
 
 pytestmark = pytest.mark.engines
@@ -40,6 +42,9 @@ SURE = 2.0
 """Nats by which every token of a verification reference must beat the runner-up: batch order moves the test
 model's logits by hundredths at most."""
 PROMPT_LENGTHS = (64, 360)
+PRESSURE_REQUESTS = 16
+PRESSURE_PROMPT_TOKENS = 1000
+"""Eight blocks a prompt (the test model's tokenizer takes a character at a time): five fit an engine at once."""
 ABORTS_PER_S = 1.0
 
 
@@ -146,6 +151,26 @@ def test_a_storm_of_aborts_leaves_no_wrong_answer_no_held_kv_and_no_engine_down(
         assert log_lines(d, "did not answer the cancel") == []
         assert log_lines(d, "timed out after") == []
         assert log_lines(p, "its decode will not take its KV") or log_lines(p, "dropped")
+
+
+def test_more_requests_than_the_kv_cache_holds_are_all_answered_with_their_kv_moved(storm_pair):
+    """Requests whose prompts need three times the blocks either engine has, all at once: a push decode holds
+    blocks for requests whose KV is on its way while later ones wait for blocks, and a prefill holds finished
+    requests' blocks for their decodes. Each runs once its KV lands, so all are answered, none fails at its
+    registration timeout, and nothing stays held (tests/emulator/test_kv_pressure.py holds the emulator to the
+    same)."""
+    p, d, url = storm_pair.prefill, storm_pair.decode, storm_pair.router.url
+    await_status(url + "/health")
+    rng = random.Random(36)
+    prompts = ["".join(rng.choices(storm.ALPHABET, k=PRESSURE_PROMPT_TOKENS)) for _ in range(PRESSURE_REQUESTS)]
+    assert PRESSURE_REQUESTS * -(-PRESSURE_PROMPT_TOKENS // p.spec.block_size) >= 3 * BLOCKS
+    with KvMoved(p.url, d.url, storm_pair.mode) as kv, ThreadPoolExecutor(PRESSURE_REQUESTS) as pool:
+        answers = list(pool.map(lambda prompt: post(url + "/v1/completions", {**completion(prompt), "max_tokens": 8},
+                                                    timeout=3 * REGISTRATION_S), prompts))
+    assert [status for status, _ in answers] == [200] * PRESSURE_REQUESTS, answers
+    kv.check(PRESSURE_REQUESTS)
+    await_idle(p, d)
+    assert log_lines(d, "timed out after") == []
 
 
 def _worker_pid(engine) -> int:
