@@ -45,7 +45,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -72,8 +71,7 @@ TOLERANCE = 0.15
 
 
 def machine() -> dict:
-    load = os.getloadavg()
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1_5_15": [round(x, 2) for x in load]}
+    return {**result_file.machine(), "load_avg_1_5_15": [round(x, 2) for x in os.getloadavg()]}
 
 
 def commit() -> str:

@@ -32,6 +32,30 @@ def dumps(obj: Any, indent: int = 2, _level: int = 0) -> str:
     return "[\n" + ",\n".join(inner + dumps(v, indent, _level + 1) for v in obj) + "\n" + pad + "]"
 
 
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+"""CPU features that set how fast vLLM's CPU engines run: the same engine is several times faster with AVX-512
+(bf16) than with AVX2 alone."""
+
+
+def cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The CPU's model name and which of SPEED_FLAGS it has (from `cpuinfo`; empty where there is none)."""
+    try:
+        info = cpuinfo.read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name", ""), "flags": [f for f in SPEED_FLAGS if f in flags]}
+
+
+def machine() -> dict[str, Any]:
+    """The machine a result was made on: cores, platform and CPU."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "cpu": cpu()}
+
+
 def provenance() -> dict[str, Any]:
     """What every result records about how it was made: the command, the code (commit, `-dirty` when tracked files
     differ from it), the machine and the load on it when the run began."""
@@ -42,8 +66,7 @@ def provenance() -> dict[str, Any]:
 
     dirty = git("status", "--porcelain", "--untracked-files=no")
     return {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD") + ("-dirty" if dirty else ""),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3]}}
+            "machine": {**machine(), "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3]}}
 
 
 def _forms(path: Path) -> tuple[Path, Path]:

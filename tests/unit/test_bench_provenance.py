@@ -58,3 +58,14 @@ def test_every_result_file_records_its_provenance(monkeypatch):
         if lacks and name not in LEGACY:
             missing[name] = lacks
     assert not missing, f"results without their provenance (write them with result_file.provenance()): {missing}"
+
+
+def test_the_machine_names_its_cpu_and_the_features_that_set_an_engines_speed(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCH))
+    result_file = importlib.import_module("result_file")
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse\n\n"
+                    "processor\t: 1\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 avx512f avx512_bf16 sse\n")
+    assert result_file.cpu(info) == {"model": "Some CPU", "flags": ["avx2", "avx512f", "avx512_bf16"]}
+    assert result_file.cpu(tmp_path / "none") == {}
+    assert result_file.provenance()["machine"]["cpu"] == result_file.cpu()
