@@ -114,6 +114,11 @@ class EmulatedEngine(KvHandoff):
                 self._preempt(rid)
             by_id = {r.id: r for r in [*self.running, *self.waiting]}
             begun = [(s, by_id[s.id]) for s in plan.scheduled]
+            # Every admitted request's hit first: an allocation evicts unheld cached blocks, and must never take
+            # the blocks the plan counted as another request's hit (vLLM looks each hit up just before its own
+            # allocation; the plan here looked them all up before any).
+            for s, req in begun:
+                self._take_hit(s, req)
             for s, req in begun:
                 events += self._begin(s, req, start)
             cost = step_seconds(plan, self.profile.step, self.contention)
@@ -148,9 +153,8 @@ class EmulatedEngine(KvHandoff):
             elif r.phase != "done":
                 yield SeqView(r.id, r.phase, r.tokens, r.computed, len(r.blocks), prompt_tokens=len(r.prompt))
 
-    def _begin(self, s: Scheduled, req: Request, now: float) -> list[pc.Event]:
-        """Take the blocks the plan gave `req`; a waiting request moves on."""
-        events: list[pc.Event] = []
+    def _take_hit(self, s: Scheduled, req: Request) -> None:
+        """Hold the cached blocks the plan gave an admitted request as its hit."""
         if req.phase in ("new", "remote_new"):
             hit = s.start // self.profile.block_size
             req.blocks = self.cache.touch(req.hashes[:hit])
@@ -159,6 +163,10 @@ class EmulatedEngine(KvHandoff):
             req.local_hit = s.start
             self.cache.count_query(len(req.prompt), s.start)
             self.metrics.cache_query(len(req.prompt), s.start)
+
+    def _begin(self, s: Scheduled, req: Request, now: float) -> list[pc.Event]:
+        """Take the new blocks the plan gave `req` (after its hit: `_take_hit`); a waiting request moves on."""
+        events: list[pc.Event] = []
         ids, evicted = self.cache.allocate(s.new_blocks)
         req.blocks += ids
         events += evicted

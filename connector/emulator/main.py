@@ -167,6 +167,12 @@ class Emulator:
                 client_factory=lambda: RendezvousClient(url, token=token, token_file=token_file, timeout=5.0))
             self.registration.start()
 
+    @property
+    def steps(self) -> asyncio.Task[None]:
+        """The engine's step loop (started by `start`)."""
+        assert self._steps is not None, "start() first"
+        return self._steps
+
     async def stop(self, drain_seconds: float | None = None) -> None:
         """As a stopping engine with the plugin does: leave the rendezvous first, then finish what it holds (at
         most `drain_seconds`, by default --drain-seconds), then close."""
@@ -198,7 +204,16 @@ async def serve(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    steps = emulator.steps
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({stopping, steps}, return_when=asyncio.FIRST_COMPLETED)
+    if steps.done():
+        # The step loop ends only by a bug. Without it the engine answers /health and queues every request
+        # forever; exiting, as vLLM's API server does when its engine core dies, lets the probes and the pod's
+        # restart see it.
+        stopping.cancel()
+        log.critical("engine emulator: the step loop died; exiting", exc_info=steps.exception())
+        raise SystemExit(1)
     await emulator.stop()
 
 
