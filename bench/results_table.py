@@ -571,13 +571,16 @@ HEADLINE: tuple[tuple[str, str], ...] = (
     ("overload.json", "real: admitted TTFT p99 at 5x saturation / at saturation"),
     ("autoscale.json", "planner: SLO attainment outside engine starts, worst round"),
     ("autoscale.json", "planner / static fleet sized for the peak: replica-seconds"),
+    ("kv_routing.json", "push fleet, conversation workload: prefix-aware / least-loaded TTFT p50"),
+    ("kv_routing.json", "pull fleet, shared workload: prefix-aware / vllm-router cache_aware TTFT p50"),
+    ("kv_routing.json", "push fleet, all workloads: prefix-aware / least-loaded router CPU per request"),
     ("operator_scale.json", "one CR on an idle cluster: create to children exist, p99"),
     ("operator_scale_1000.json", "all CRs Ready"),
 )
 """The rows the README shows, as (result file, measure), in its order: push against pull while decode is busy
 (TTFT, the handoff, TPOT), the router against vllm-router, the failure-free rows (rollouts, the soak, client
-aborts), the router under 5x overload on real engines, the planner on a load trace, and the operator at 100 and
-1,000 CRs, met or not."""
+aborts), the router under 5x overload on real engines, the planner on a load trace, prefix-aware routing against
+least-loaded and vllm-router (TTFT and the router's CPU), and the operator at 100 and 1,000 CRs, met or not."""
 
 
 def headline(table: list[Row], wanted: tuple[tuple[str, str], ...] = HEADLINE) -> list[Row]:
