@@ -7,8 +7,9 @@ renders them (`--kv-events-config`, `--enable-prompt-tokens-details`) and a `--p
   tokenizer, a missing template field) would predict 0.
 - Decode alone: a prompt decode holds enough of skips prefill, and gives the P/D path's greedy tokens; no prefill
   engine sees it, and decode reports the prompt cached.
-- The index follows the engines: a router started after them fills what it missed from each engine's replay, and
-  blocks an engine evicts leave the index (predicted = reported again after eviction).
+- The index follows the engines: a router started after them fills what it missed from each engine's replay,
+  blocks an engine evicts leave the index (predicted = reported again after eviction), a cleared prefix cache
+  (vLLM's AllBlocksCleared) empties it, and an engine restarted leaves it with its blocks.
 Each result counts only with KV events applied, which the router's metrics show."""
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def prefix_pair(vllm_python, model, engine_logs, rendezvous, reference, plugin_d
     access_log = tmp_path_factory.mktemp("prefix") / "access.jsonl"
     pair = Pair("push", vllm_python, model, engine_logs, rendezvous, plugin_dir, name="prefix", kv_events=True,
                 access_log=access_log, router_args=("--policy", "prefix-aware"), num_blocks=BLOCKS,
-                max_model_len=4096)
+                max_model_len=4096, extra_env={"VLLM_SERVER_DEV_MODE": "1"})  # /reset_prefix_cache, a dev endpoint
     try:
         pair.start()
         await_following(pair)
@@ -196,3 +197,60 @@ def test_blocks_an_engine_evicts_leave_the_index(prefix_pair):
     assert status == 200, resp
     record = last_record(prefix_pair)
     assert record["prefix"]["predicted"]["prefill"] == record["prefix"]["actual"] < 5 * BLOCK
+
+
+def post_ok(url: str, body: dict) -> dict:
+    status, resp = post(url, body)
+    assert status == 200, resp
+    return resp
+
+
+def test_a_cleared_prefix_cache_empties_the_index(prefix_pair):
+    """vLLM's /reset_prefix_cache publishes AllBlocksCleared: the router drops everything it held for that engine,
+    so a prompt it had cached is predicted to hit nothing, as the engine then reports."""
+    p, d, url = prefix_pair.prefill, prefix_pair.decode, prefix_pair.router.url
+    first = text(4 * BLOCK + 40)
+    stored = metric(url, "disagg_router_kv_blocks_stored_total")
+    tokens = post_ok(url + "/v1/completions", completion(first))["usage"]["prompt_tokens"]
+    await_indexed(url, stored, 2 * (tokens // BLOCK))
+    clears = metric(url, "disagg_router_kv_clears_total")
+    for engine in (p, d):
+        req = urllib.request.Request(engine.url + "/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+    # vLLM publishes an engine's events with its next step: a prompt shorter than a block makes one on both
+    # engines and stores nothing.
+    post_ok(url + "/v1/completions", completion(text(BLOCK // 2)))
+    assert polled(lambda: metric(url, "disagg_router_kv_clears_total") >= clears + 2, 30), "no AllBlocksCleared"
+    assert all(metric(url, "disagg_router_kv_blocks", role=role) == 0 for role in ("prefill", "decode"))
+    post_ok(url + "/v1/completions", completion(first + text(2 * BLOCK)))
+    record = last_record(prefix_pair)
+    assert record["prefix"]["predicted"] == {"prefill": 0, "decode": 0}
+    assert record["prefix"]["actual"] == 0
+
+
+def test_an_engine_restarted_leaves_the_index_with_its_blocks(prefix_pair):
+    """A restarted prefill is a new engine (a new id, an empty cache): the router drops the old one's blocks with
+    its subscription and follows the new one's events from its first."""
+    p, url = prefix_pair.prefill, prefix_pair.router.url
+    first = text(4 * BLOCK + 40)
+    stored = metric(url, "disagg_router_kv_blocks_stored_total")
+    tokens = post_ok(url + "/v1/completions", completion(first))["usage"]["prompt_tokens"]
+    await_indexed(url, stored, 2 * (tokens // BLOCK))
+    old, stopped = p.spec.engine_id, metric(url, "disagg_router_kv_subscription_changes_total", change="stop")
+    p.stop()
+    p.start().wait_ready()
+    assert p.spec.engine_id != old
+    assert polled(lambda: metric(url, "disagg_router_kv_subscription_changes_total", change="stop") > stopped, 60)
+    await_following(prefix_pair)
+    second = first + text(2 * BLOCK)
+    indexed = metric(url, "disagg_router_kv_blocks", role="prefill")
+    tokens = post_ok(url + "/v1/completions", completion(second))["usage"]["prompt_tokens"]
+    record = last_record(prefix_pair)
+    assert record["prefill"] == p.spec.engine_id
+    assert record["prefix"]["predicted"]["prefill"] == 0 == record["prefix"]["actual"]
+    # And the new engine's blocks are followed: the same prompt again is predicted to hit what it now holds.
+    assert polled(lambda: metric(url, "disagg_router_kv_blocks", role="prefill") >= indexed + tokens // BLOCK, 30)
+    post_ok(url + "/v1/completions", completion(second + text(BLOCK)))
+    record = last_record(prefix_pair)
+    assert record["prefix"]["predicted"]["prefill"] == record["prefix"]["actual"] > 0

@@ -20,13 +20,13 @@ class Pair:
     def __init__(self, mode: str, python: Path, model: Path, logs: Path, rendezvous: Service, plugin_dir: Path,
                  decode_mode: str | None = None, name: str | None = None, access_log: Path | None = None,
                  router_args: tuple[str, ...] = (), **spec: Any):
-        """`spec`: more EngineSpec fields for both engines (num_blocks, max_model_len, ...); `access_log`: where
-        the routers write theirs; `router_args`: more flags for every router."""
+        """`spec`: more EngineSpec fields for both engines (num_blocks, max_model_len, extra_env, ...);
+        `access_log`: where the routers write theirs; `router_args`: more flags for every router."""
         self.mode, self.rendezvous, self.logs, self.access_log = mode, rendezvous, logs, access_log
         self.router_args = router_args
         prefix = f"{name}-" if name else ""
         self.decode_mode = decode_mode or mode
-        env = RENDEZVOUS.engine_env(rendezvous.url)
+        env = {**RENDEZVOUS.engine_env(rendezvous.url), **spec.pop("extra_env", {})}
         self.prefill = TestEngine(EngineSpec(f"{prefix}{mode}-prefill", "prefill", model, core=0, mode=mode,
                                              plugin_dir=plugin_dir, extra_env=env, **spec), python, logs)
         self.decode = TestEngine(EngineSpec(f"{prefix}{self.decode_mode}-decode", "decode", model, core=1,
