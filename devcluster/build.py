@@ -28,10 +28,12 @@ CNI_PLUGINS_VERSION = "v1.10.0"
 COREDNS_VERSION = "v1.15.0"
 BUILDKIT_VERSION = "v0.34.2"
 KEDA_VERSION = "v2.21.0"  # devcluster/gobuild-keda/go.mod requires it
+PROMETHEUS_MODULE_VERSION = "v0.316.0"  # Prometheus 3.16; devcluster/gobuild-prometheus/go.mod requires it
 
 GOBUILD_DIR = Path(__file__).resolve().parent / "gobuild"
 BUILDKIT_DIR = Path(__file__).resolve().parent / "gobuild-buildkit"
 KEDA_DIR = Path(__file__).resolve().parent / "gobuild-keda"
+PROMETHEUS_DIR = Path(__file__).resolve().parent / "gobuild-prometheus"
 
 
 def cache_dir() -> Path:
@@ -116,12 +118,13 @@ def node_binaries() -> list[Binary]:
 
 
 def addon_binaries() -> list[Binary]:
-    """Built only when named (`disagg cluster build keda-operator keda-adapter`, or a test that runs them): what
-    a user may run beside the product, not what the control plane needs."""
+    """Built only when named (`disagg cluster build keda-operator keda-adapter promtool`, or a test that runs
+    them): what a user may run beside the product, not what the control plane needs."""
     keda = "github.com/kedacore/keda/v2"
     ld = f"-s -w -X {keda}/version.Version={KEDA_VERSION.lstrip('v')}"
     return [Binary("keda-operator", f"{keda}/cmd/operator", ld, wrapper=KEDA_DIR),
-            Binary("keda-adapter", f"{keda}/cmd/adapter", ld, wrapper=KEDA_DIR)]
+            Binary("keda-adapter", f"{keda}/cmd/adapter", ld, wrapper=KEDA_DIR),
+            Binary("promtool", "github.com/prometheus/prometheus/cmd/promtool", wrapper=PROMETHEUS_DIR)]
 
 
 def _go_version() -> str:

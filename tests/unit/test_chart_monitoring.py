@@ -1,12 +1,17 @@
 """The chart's monitoring (metrics.podMonitor, metrics.prometheusRule, metrics.grafanaDashboard): off by default;
 on, they render with the values' thresholds, and every series an alert or a panel reads is one the product
-exports. (That each query returns series from a running deployment, on a real Prometheus, is for the node tests.)"""
+exports; Prometheus' own promtool (built from Go modules) loads the rules, and its rule tests fire an alert on its
+fault and not before its `for`. (That each query returns series from a running deployment, on a real Prometheus,
+is for the node tests.)"""
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
+import yaml
 
 from support.tools import ALL_OPTIONS, CHART, docs, helm
 
@@ -83,3 +88,61 @@ def test_the_dashboard_is_the_charts_file_and_reads_only_exported_series(everyth
     for expr in exprs:
         for s in series(expr):
             assert is_exported(s, code), f"a panel reads {s}, which nothing exports"
+
+
+def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Prometheus' own rule checker, built from Go modules (devcluster/gobuild-prometheus)."""
+    from disagg.devcluster import build
+
+    build.ensure_built(["promtool"], quiet=True)
+    return subprocess.run([str(build.bin_dir() / "promtool"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_prometheus_loads_the_rules(everything, tmp_path):
+    groups = everything["PrometheusRule"]["spec"]["groups"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    out = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS: 6 rules found" in out.stdout
+
+
+def test_an_alert_fires_on_its_fault_and_only_after_its_for(everything, tmp_path):
+    """promtool's rule tests, on series shaped as the product exports them: TransportVerified False fires after
+    its 2 minutes and not before; a router holding requests for a pair fires; nothing fires while all is well."""
+    groups = everything["PrometheusRule"]["spec"]["groups"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    rules = {r["alert"]: r for g in groups for r in g["rules"]}
+
+    def annotations(alert: str, **labels: str) -> dict[str, str]:
+        out = {}
+        for key, text in rules[alert]["annotations"].items():
+            for name, value in labels.items():
+                text = text.replace(f"{{{{ $labels.{name} }}}}", value)
+            out[key] = text
+        return out
+
+    condition = 'disagg_operator_condition{type="TransportVerified",status="False",namespace="ns",name="demo"}'
+    waiting = 'disagg_router_pair_waiting{namespace="ns",app_kubernetes_io_instance="demo",pod="demo-router-0"}'
+    transport = {"severity": "warning", "type": "TransportVerified", "status": "False", "namespace": "ns",
+                 "name": "demo"}
+    no_pairs = {"severity": "critical", "namespace": "ns", "app_kubernetes_io_instance": "demo",
+                "pod": "demo-router-0"}
+    tests = {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [
+        {"interval": "1m",
+         "input_series": [{"series": condition, "values": "1x15"}, {"series": waiting, "values": "3x15"}],
+         "alert_rule_test": [
+             {"eval_time": "1m", "alertname": "DisaggTransportNotVerified", "exp_alerts": []},
+             {"eval_time": "10m", "alertname": "DisaggTransportNotVerified", "exp_alerts": [
+                 {"exp_labels": transport, "exp_annotations": annotations("DisaggTransportNotVerified",
+                                                                          namespace="ns", name="demo")}]},
+             {"eval_time": "10m", "alertname": "DisaggNoPairs", "exp_alerts": [
+                 {"exp_labels": no_pairs, "exp_annotations": annotations(
+                     "DisaggNoPairs", namespace="ns", app_kubernetes_io_instance="demo")}]}]},
+        {"interval": "1m",
+         "input_series": [{"series": condition, "values": "0x15"}, {"series": waiting, "values": "0x15"}],
+         "alert_rule_test": [{"eval_time": "10m", "alertname": name, "exp_alerts": []}
+                             for name in ("DisaggTransportNotVerified", "DisaggNoPairs")]}]}
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
+    out = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
