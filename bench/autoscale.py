@@ -413,8 +413,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "headline": headline, "arms": arms}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def trace_arguments(p: argparse.ArgumentParser) -> None:
+    """The trace, the planner arm's CR and how an arm is judged: what bench/autoscale_sim.py simulates too."""
     p.add_argument("--base-rate", type=float, default=0.25, help="requests per second of the base phases")
     p.add_argument("--base-s", type=float, default=60)
     p.add_argument("--step-s", type=float, default=120)
@@ -435,13 +435,18 @@ def main() -> int:
     p.add_argument("--scale-down-max-step", type=int, default=4,
                    help="the planner arm's spec.autoscaling.scaleDown.maxStep (the CR's default, 1, takes a cooldown "
                    "per engine to follow a drop)")
+    p.add_argument("--settle-s", type=float, default=90,
+                   help="seconds into a flat phase before it counts as steady: the planner's window (15), its "
+                   "scale-down cooldown (60) and an engine's start")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    trace_arguments(p)
     p.add_argument("--autoscale-seconds", type=float, default=None,
                    help="the operator's --autoscale-seconds (the planner's tick; default: the chart's)")
     p.add_argument("--autoscale-window-seconds", type=float, default=None,
                    help="the operator's --autoscale-window-seconds (default: the chart's)")
-    p.add_argument("--settle-s", type=float, default=90,
-                   help="seconds into a flat phase before it counts as steady: the planner's window (15), its "
-                   "scale-down cooldown (60) and an engine's start")
     p.add_argument("--arms", type=lambda s: tuple(s.split(",")), default=("planner", "static", "keda"),
                    help="arms in round 1's order (later rounds alternate it): planner, static, keda")
     p.add_argument("--keda-waiting", type=float, default=2.0,

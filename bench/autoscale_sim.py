@@ -60,12 +60,12 @@ class Req:
     first: float | None = None
     done: float | None = None
 
-    def view(self, role: str) -> SeqView:
+    def view(self, role: str, block_size: int) -> SeqView:
         if role == "prefill":
             return SeqView(str(self.id), "running" if self.computed else "new", self.isl, self.computed, 0, 0, 0,
                            self.isl)
         return SeqView(str(self.id), "running" if self.out else "remote_ready", self.isl + self.out, self.computed,
-                       blocks_for(self.isl + self.out, CPU_KV64K.block_size), prompt_tokens=self.isl)
+                       blocks_for(self.isl + self.out, block_size), prompt_tokens=self.isl)
 
 
 @dataclass(eq=False)
@@ -145,8 +145,9 @@ class Sim:
         if e.busy or not (e.running or e.waiting):
             return
         seqs = {str(r.id): r for r in (*e.running, *e.waiting)}
-        plan = plan_step([r.view(e.role) for r in e.running], (r.view(e.role) for r in e.waiting), NO_BLOCK_LIMIT,
-                         self.profile)
+        bs = self.profile.block_size
+        plan = plan_step([r.view(e.role, bs) for r in e.running], (r.view(e.role, bs) for r in e.waiting),
+                         NO_BLOCK_LIMIT, self.profile)
         cost = step_seconds(plan, self.profile.step, self.profile.contention.of(e.role))
         for s in plan.scheduled:
             r = seqs[s.id]
@@ -274,26 +275,13 @@ def policy(args: argparse.Namespace) -> AutoscalingPolicy:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-rate", type=float, default=0.25)
-    p.add_argument("--base-s", type=float, default=60)
-    p.add_argument("--step-s", type=float, default=120)
-    p.add_argument("--back-s", type=float, default=240)
-    p.add_argument("--diurnal-s", type=float, default=150)
-    p.add_argument("--max", type=int, default=8)
-    p.add_argument("--static", type=lambda s: tuple(int(x) for x in s.split(",")), default=(3, 3))
-    p.add_argument("--prefill-tps", type=float, default=100)
-    p.add_argument("--decode-tps", type=float, default=60)
+    autoscale.trace_arguments(p)
     p.add_argument("--percentile", type=float, default=90)
-    p.add_argument("--ttft-ms", type=int, default=10000)
-    p.add_argument("--tpot-ms", type=int, default=200)
-    p.add_argument("--scale-down-cooldown", type=float, default=60)
-    p.add_argument("--scale-down-max-step", type=int, default=4)
     p.add_argument("--scale-up-cooldown", type=float, default=AutoscalingPolicy().up_cooldown_seconds)
     p.add_argument("--down-band", type=float, default=AutoscalingPolicy().down_band)
     p.add_argument("--tick-s", type=float, default=5.0)
     p.add_argument("--window-s", type=float, default=15.0)
     p.add_argument("--start-s", type=float, default=2.0)
-    p.add_argument("--settle-s", type=float, default=90)
     p.add_argument("--seeds", type=int, default=20)
     p.add_argument("--seed", type=int, default=35, help="the first seed")
     p.add_argument("--schedule", type=schedule_arg, default=None, metavar="SECOND,PREFILL,DECODE;...",

@@ -28,12 +28,11 @@ CNI_PLUGINS_VERSION = "v1.10.0"
 COREDNS_VERSION = "v1.15.0"
 BUILDKIT_VERSION = "v0.34.2"
 KEDA_VERSION = "v2.21.0"  # devcluster/gobuild-keda/go.mod requires it
-PROMETHEUS_MODULE_VERSION = "v0.316.0"  # Prometheus 3.16; devcluster/gobuild-prometheus/go.mod requires it
 
 GOBUILD_DIR = Path(__file__).resolve().parent / "gobuild"
 BUILDKIT_DIR = Path(__file__).resolve().parent / "gobuild-buildkit"
 KEDA_DIR = Path(__file__).resolve().parent / "gobuild-keda"
-PROMETHEUS_DIR = Path(__file__).resolve().parent / "gobuild-prometheus"
+PROMETHEUS_DIR = Path(__file__).resolve().parent / "gobuild-prometheus"  # its go.mod pins Prometheus 3.16
 
 
 def cache_dir() -> Path:
