@@ -22,7 +22,7 @@ import pytest
 
 from disagg.operator.engine_builders import DRAIN_EXIT_SECONDS
 from support.engine_pair import Pair
-from support.engines import PROMPTS, await_status, completion, log_lines
+from support.engines import PROMPTS, await_status, completion, log_lines, polled
 from support.metrics import scrape
 
 pytestmark = pytest.mark.engines
@@ -172,10 +172,8 @@ def stop_as_the_kubelet_does(load: OpenLoop, prefill) -> float:
     api_server = prefill.processes()[0]
     for _ in range(BURST):
         load.send()
-    deadline = time.monotonic() + 30
-    while held(prefill.url) < HELD_AT_STOP:
-        assert time.monotonic() < deadline, f"the prefill never held {HELD_AT_STOP} requests at once"
-        time.sleep(0.01)  # another process's state: nothing to await but polling
+    assert polled(lambda: held(prefill.url) >= HELD_AT_STOP, 30, interval=0.01), \
+        f"the prefill never held {HELD_AT_STOP} requests at once"
     t_stop = time.monotonic()
     os.kill(api_server, signal.SIGTERM)
     try:

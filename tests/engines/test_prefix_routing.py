@@ -17,12 +17,11 @@ import json
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable
 
 import pytest
 
 from support.engine_pair import Pair
-from support.engines import MAX_TOKENS, metric, post, text_of
+from support.engines import MAX_TOKENS, await_status, metric, polled, post, text_of
 
 pytestmark = pytest.mark.engines
 BLOCK = 128  # the engines' block size (EngineSpec's default, as in every engine test)
@@ -63,17 +62,6 @@ def await_following(pair: Pair, timeout: float = 60) -> None:
         if polled(following, 3):
             return
     raise TimeoutError(f"the router applied no KV events of both engines in {timeout} s")
-
-
-def polled(condition: Callable[[], bool], timeout: float) -> bool:
-    """Whether `condition` holds within `timeout`, read every 0.1 s: another process's metrics have no event to
-    await."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 def last_record(pair: Pair) -> dict:
@@ -242,6 +230,7 @@ def test_an_engine_restarted_leaves_the_index_with_its_blocks(prefix_pair):
     p.start().wait_ready()
     assert p.spec.engine_id != old
     assert polled(lambda: metric(url, "disagg_router_kv_subscription_changes_total", change="stop") > stopped, 60)
+    await_status(url + "/health", timeout=60)  # the router pairs the new prefill (its /health is 200 once it can)
     await_following(prefix_pair)
     second = first + text(2 * BLOCK)
     indexed = metric(url, "disagg_router_kv_blocks", role="prefill")

@@ -7,6 +7,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 
 from disagg.connector.router import pd_protocol
 from disagg.connector.wire.advertisement import EngineAdvertisement
@@ -113,6 +114,17 @@ class Load(threading.Thread):
         self.halt.set()
         self.join(120)
         return self.results
+
+
+def polled(condition: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    """Whether `condition()` holds within `timeout`, read every `interval` s: another process's state (its metrics,
+    its log) has no event to await."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
 
 
 def await_status(url: str, status: int = 200, timeout: float = 30) -> None:
