@@ -117,12 +117,13 @@ def node_binaries() -> list[Binary]:
 
 
 def addon_binaries() -> list[Binary]:
-    """Built only when named (`disagg cluster build keda-operator keda-adapter promtool`, or a test that runs
+    """Built only when named (`disagg cluster build keda-operator keda-adapter prometheus promtool`, or a test that runs
     them): what a user may run beside the product, not what the control plane needs."""
     keda = "github.com/kedacore/keda/v2"
     ld = f"-s -w -X {keda}/version.Version={KEDA_VERSION.lstrip('v')}"
     return [Binary("keda-operator", f"{keda}/cmd/operator", ld, wrapper=KEDA_DIR),
             Binary("keda-adapter", f"{keda}/cmd/adapter", ld, wrapper=KEDA_DIR),
+            Binary("prometheus", "github.com/prometheus/prometheus/cmd/prometheus", wrapper=PROMETHEUS_DIR),
             Binary("promtool", "github.com/prometheus/prometheus/cmd/promtool", wrapper=PROMETHEUS_DIR)]
 
 

@@ -43,9 +43,10 @@ def test_the_adapter_calls_the_operators_grpc_port_and_both_share_one_cert_dir()
 def test_keda_is_built_only_when_named(monkeypatch):
     default = {b.name for b in build.binaries()}
     addons = {b.name for b in build.addon_binaries()}
-    assert addons == {"keda-operator", "keda-adapter", "promtool"} and not addons & default
+    assert addons == {"keda-operator", "keda-adapter", "prometheus", "promtool"} and not addons & default
     assert {b.name: b.wrapper for b in build.addon_binaries()} == {
-        "keda-operator": build.KEDA_DIR, "keda-adapter": build.KEDA_DIR, "promtool": build.PROMETHEUS_DIR}
+        "keda-operator": build.KEDA_DIR, "keda-adapter": build.KEDA_DIR, "prometheus": build.PROMETHEUS_DIR,
+        "promtool": build.PROMETHEUS_DIR}
     monkeypatch.setattr(build, "_go_version", lambda: "go-test")
     monkeypatch.setattr(build.shutil, "which", lambda _n: "/usr/bin/go")
     with pytest.raises(SystemExit, match="no such binary: nope"):
