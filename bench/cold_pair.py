@@ -527,10 +527,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     finally:
         if rendezvous:
             rendezvous.stop()
-    headline = {arm: {k: (r.get("summary") or {}).get(k) for k in
-                      ("cold_over_warm_p50", "cold_over_warm_p50_ci90", "median_of_pair_ratios",
-                       "median_of_pair_ratios_ci90", "cold_ttft_p50_ms", "cold_ttft_mean_ms", "warm_ttft_p50_ms",
-                       "warm_ttft_mean_ms", "cold_minus_warm_p50_ms", "pairs_measured", "failures")}
+    headline = {arm: {k: (r.get("summary") or {}).get(k) for k in HEADLINE}
                 | ({"skipped": r["skipped"]} if r.get("skipped") else {})
                 | ({"error": r["error"]} if r.get("error") else {})
                 for arm, r in results.items()}
@@ -558,6 +555,49 @@ async def main_async(args: argparse.Namespace) -> dict:
     }
 
 
+HEADLINE = ("cold_over_warm_p50", "cold_over_warm_p50_ci90", "median_of_pair_ratios", "median_of_pair_ratios_ci90",
+            "cold_ttft_p50_ms", "cold_ttft_mean_ms", "warm_ttft_p50_ms", "warm_ttft_mean_ms", "cold_minus_warm_p50_ms",
+            "pairs_measured", "failures")
+
+
+def combine(paths: list[Path]) -> dict:
+    """Runs of the same code pooled: each arm's pairs from every run summarized as one (intervals by resampling
+    pairs), with each run's own figure beside it. Refuses runs of different code or configuration."""
+    runs = [result_file.load(path) for path in paths]
+    first = runs[0]
+    keys = ("commit", "config")
+    for path, run in zip(paths, runs, strict=True):
+        differ = [k for k in keys if _comparable(run.get(k)) != _comparable(first.get(k))]
+        if differ:
+            raise SystemExit(f"{path} differs from {paths[0]} in {differ}: only runs of the same code pool")
+    cfg = Config(**{k: v for k, v in first["config"].items() if k in Config.__dataclass_fields__})
+    arms: dict[str, dict] = {}
+    for arm in first["arms"]:
+        pairs = [p for run in runs for p in (run["arms"].get(arm) or {}).get("pairs") or ()]
+        if pairs:
+            arms[arm] = {"arm": arm, "description": first["arms"][arm].get("description"),
+                         "summary": summarize(pairs, cfg)}
+    headline = {arm: {k: a["summary"].get(k) for k in HEADLINE}
+                | {"per_run": [(run["headline"].get(arm) or {}).get("cold_over_warm_p50") for run in runs]}
+                for arm, a in arms.items()}
+    goal = (arms.get("plugin") or {}).get("summary", {}).get("cold_over_warm_p50")
+    return {**{k: v for k, v in first.items() if k not in ("arms", "headline", "logs")},
+            "command": f"{first.get('command', 'bench/cold_pair.py')}  (x{len(runs)}), then bench/cold_pair.py "
+                       "--combine",
+            "runs": [{"file": path.name, "when": run.get("when"), "seed": run["config"].get("seed"),
+                      "machine": run.get("machine"), "engine_time_s": run.get("engine_time_s")}
+                     for path, run in zip(paths, runs, strict=True)],
+            "goal_met": None if goal is None else goal <= 1.2,
+            "headline": headline, "arms": {arm: {**a, "pairs": [p for run in runs for p in
+                                                                 (run["arms"].get(arm) or {}).get("pairs") or ()]}
+                                           for arm, a in arms.items()}}
+
+
+def _comparable(v: object) -> object:
+    """A run's commit or config, without what differs between runs of the same code on purpose (the seed)."""
+    return {k: x for k, x in v.items() if k != "seed"} if isinstance(v, dict) else v
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--arms", default="plugin,no-plugin",
@@ -576,7 +616,16 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="1 pair per arm, 2 warm requests: checks the harness")
     p.add_argument("--logs", help="folder for engine and rendezvous logs")
     p.add_argument("--out", type=Path, default=RESULTS / "cold_pair.json")
+    p.add_argument("--combine", nargs="+", type=Path,
+                   help="pool these runs' result files (the same code, different seeds) into --out instead")
     args = p.parse_args()
+    if args.combine:
+        combined = combine(args.combine)
+        result_file.write(args.out, combined)
+        for arm, h in combined["headline"].items():
+            log(f"{arm:12s} pooled cold/warm p50 {h['cold_over_warm_p50']} (90% {h['cold_over_warm_p50_ci90']}); "
+                f"per run {h['per_run']}")
+        return
     if args.quick:
         args.pairs, args.warm = 1, 2
     result = asyncio.run(main_async(args))

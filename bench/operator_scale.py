@@ -22,7 +22,12 @@ Reports, as JSON (stdout and `--out`, default bench/results/operator_scale.json)
 
 `--profile FILE` records the operator with py-spy during the burst (a speedscope JSON; open it at speedscope.app).
 
-Run: `python bench/operator_scale.py [--crs 100] [--solo 20] [--fleet p5en=120,trn2=60,trn1=10,m7i=10]`.
+Every figure is the median over `--runs` runs (default 3), each on a fresh cluster; `ready_crs` is the worst run's.
+`--baseline OTHER/.venv/bin/disagg` runs another build's operator as a second arm, in ABBA order, and compares
+the medians (before vs after a change to the operator).
+
+Run: `python bench/operator_scale.py [--runs 3] [--crs 100] [--solo 20] [--fleet p5en=120,trn2=60,trn1=10,m7i=10]
+[--baseline ../before/.venv/bin/disagg --baseline-commit REV]`.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import datetime as dt
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -433,14 +439,102 @@ def main() -> None:
     p.add_argument("--apiserver-profile", type=Path,
                    help="record a CPU profile of the apiserver (pprof) for 60 s of the burst, from 60 s after "
                         "its first create, in both arms; the floor's goes next to it with a .floor suffix")
+    p.add_argument("--runs", type=int, default=3,
+                   help="runs of each arm, each on a fresh cluster (default 3): figures are the median over runs")
+    p.add_argument("--baseline", type=Path,
+                   help="another `disagg` executable (say, a checkout of the previous commit's .venv/bin/disagg): "
+                        "its operator runs as a second arm, in ABBA order with this one, and the result compares "
+                        "them")
+    p.add_argument("--baseline-commit", help="the baseline's commit, for the record")
     p.add_argument("--floor", action="store_true",
                    help="first run the control plane alone on its own cluster: the burst's children applied by "
                         "the bench, no operator (the floor the operator's time is judged against)")
     args = p.parse_args()
+    if args.runs < 1 or (args.baseline is not None and not args.baseline.exists()):
+        p.error("--runs must be at least 1, and --baseline an existing `disagg` executable")
     made = result_file.provenance()
 
     build.ensure_built(quiet=True)
     floor = run_floor(args) if args.floor else None
+    current = Path(sys.executable).parent / "disagg"
+    arms = {"current": current, **({"baseline": args.baseline} if args.baseline else {})}
+    order = abba(list(arms), args.runs)
+    runs: list[dict[str, Any]] = []
+    for n, arm in enumerate(order, 1):
+        print(f"run {n}/{len(order)}: {arm} operator ({arms[arm]})", file=sys.stderr, flush=True)
+        runs.append({"arm": arm, "operator": str(arms[arm]), **run_once(args, arms[arm])})
+    mine = [r for r in runs if r["arm"] == "current"]
+    result = {
+        **made,
+        "benchmark": "operator_scale",
+        "command": " ".join(["python", "bench/operator_scale.py", *sys.argv[1:]]),
+        "runs_per_arm": args.runs,
+        "order": order,
+        **median_of(mine),
+        "floor": floor,
+        "baseline_commit": args.baseline_commit,
+        "baseline": compare_arms(mine, [r for r in runs if r["arm"] == "baseline"]) if args.baseline else None,
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result_file.write(args.out, result)
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+
+
+def abba(arms: list[str], runs: int) -> list[str]:
+    """Each arm `runs` times, in ABBA order (A B B A A B ...), so drift in the machine falls on both arms alike."""
+    if len(arms) == 1:
+        return arms * runs
+    a, b = arms
+    return [arm for i in range(runs) for arm in ((a, b) if i % 2 == 0 else (b, a))]
+
+
+HEADLINE = ("all_ready_seconds", "created_all_seconds", "ready_crs", "operator_requests_per_cr",
+            "solo_operator_requests_per_cr", "operator_startup_requests", "operator_cpu_seconds",
+            "operator_peak_rss_mib", "idle_requests", "idle_patches_per_cr", "idle_child_patches_per_cr",
+            "idle_objects_changed", "idle_objects_changed_by_operator")
+SPREADS = ("solo_children_exist_seconds", "solo_ready_seconds", "children_exist_seconds", "ready_seconds")
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs' figures as one result: each headline figure and each spread's quantiles, the median over runs
+    (a run that did not get every CR Ready has no all_ready_seconds: the median is then over the runs that did,
+    and ready_crs shows the shortfall). The last run's descriptive fields (sizes, by-verb tables) are kept."""
+    out = {k: v for k, v in runs[-1].items() if k not in ("arm", "operator")}
+    for key in (k for k in HEADLINE if any(k in r for r in runs)):
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        out[key] = _median(values)
+        out[f"{key}_runs"] = [r.get(key) for r in runs]
+    out["ready_crs"] = min(r["ready_crs"] for r in runs)  # judged on the worst run: every run must get all Ready
+    out["all_ready_seconds"] = out["all_ready_seconds"] if all(r.get("all_ready_seconds") is not None
+                                                               for r in runs) else None
+    for key in SPREADS:
+        qs = {q for r in runs for q in (r.get(key) or {})}
+        out[key] = {q: _median([r[key][q] for r in runs if q in (r.get(key) or {})]) for q in sorted(qs)}
+    return out
+
+
+def compare_arms(current: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each headline figure's median in both arms and current / baseline."""
+    out: dict[str, Any] = {"runs": len(baseline)}
+    for key in ("all_ready_seconds", "operator_requests_per_cr", "operator_cpu_seconds", "operator_peak_rss_mib",
+                "idle_requests", "idle_objects_changed_by_operator"):
+        a = _median([r[key] for r in current if isinstance(r.get(key), (int, float))])
+        b = _median([r[key] for r in baseline if isinstance(r.get(key), (int, float))])
+        out[key] = {"current": a, "baseline": b, "ratio": round(a / b, 3) if a is not None and b else None}
+    for key in ("children_exist_seconds", "ready_seconds"):
+        a = _median([r[key]["p99"] for r in current if "p99" in (r.get(key) or {})])
+        b = _median([r[key]["p99"] for r in baseline if "p99" in (r.get(key) or {})])
+        out[f"{key}_p99"] = {"current": a, "baseline": b, "ratio": round(a / b, 3) if a is not None and b else None}
+    return out
+
+
+def run_once(args: argparse.Namespace, operator_bin: Path) -> dict[str, Any]:
+    """One fresh cluster, the operator `operator_bin` runs, the solo CRs, the burst, the idle window."""
     cluster = LocalCluster(ClusterConfig(name="bench-scale", fleet=FleetSpec.parse(args.fleet), audit=True,
                                          audit_users=(USER,), profiling=args.apiserver_profile is not None,
                                          startup_timeout=300, **FLEET_HEARTBEATS))
@@ -457,7 +551,7 @@ def main() -> None:
         health, metrics_port = free_port(), free_port()
         op_log = cluster.dir / "logs" / "operator.log"
         operator = subprocess.Popen(
-            [str(Path(sys.executable).parent / "disagg"), "operator", "--metrics-port", str(metrics_port),
+            [str(operator_bin), "operator", "--metrics-port", str(metrics_port),
              "--liveness", f"http://127.0.0.1:{health}/healthz", "--resync-seconds", str(args.resync_seconds)],
             env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig_for(USER))},
             stdout=op_log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
@@ -571,11 +665,8 @@ def main() -> None:
         changed_by_operator = changed & audit_writes(audit, USER, idle_from, idle_to)
         all_crs = args.crs + args.solo
 
-        result = {
-            **made,
-            "benchmark": "operator_scale",
+        return {
             "when": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "command": " ".join(["python", "bench/operator_scale.py", *sys.argv[1:]]),
             "nodes": cluster.config.fleet.total,
             "crs": args.crs,
             "solo_crs": args.solo,
@@ -606,13 +697,9 @@ def main() -> None:
             "idle_requests_by_verb_and_resource": by_verb_and_resource(idle),
             "burst_control_plane_cpu_seconds": burst_cpu,
             "burst_apiserver_requests": burst_requests,
-            "floor": floor,
             "burst_operator_counters": counter_delta(counters["burst"], counters["solo"]),
             "idle_operator_counters": counter_delta(counters["idle"], counters["settled"]),
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        result_file.write(args.out, result)
-        print(json.dumps(result, indent=2))
     finally:
         if operator is not None and operator.poll() is None:
             os.killpg(operator.pid, signal.SIGTERM)

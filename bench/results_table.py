@@ -149,6 +149,8 @@ def _handoff_in_steps(name: str, d: dict[str, Any]) -> Iterator[Row]:
 def _cold_pair(name: str, d: dict[str, Any]) -> Iterator[Row]:
     for arm, a in d["headline"].items():
         n = f"{a.get('pairs_measured', '?')} pairs"
+        if a.get("per_run"):
+            n += f", {len(a['per_run'])} runs; per run {a['per_run']}"
         # The goal judges the product's configuration in the main file; the other files are experiments.
         goal = Goal("<=", 1.2, "issue 5") if arm == "plugin" and name == "cold_pair.json" else None
         yield Row("cold_pair", f"{arm}: cold / warm TTFT p50", a.get("cold_over_warm_p50"), "x", name,
@@ -175,7 +177,8 @@ def _cluster_path(name: str, d: dict[str, Any]) -> Iterator[Row]:
 
 
 def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
-    n = f"{d.get('crs')} CRs on {d.get('nodes')} kwok nodes"
+    runs = d.get("runs_per_arm")
+    n = f"{d.get('crs')} CRs on {d.get('nodes')} kwok nodes" + (f"; median of {runs} runs" if runs else "")
     if d.get("solo_crs"):
         yield Row("operator_scale", "one CR on an idle cluster: create to children exist, p99",
                   d["solo_children_exist_seconds"]["p99"], "s", name, None, Goal("<", 1, "issue 15"),
@@ -215,6 +218,22 @@ def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
     else:
         yield Row("operator_scale", "objects changed by an idle resync", d.get("idle_objects_changed"), "objects",
                   name, None, Goal("==", 0), f"of {d.get('idle_objects_watched')}")
+    yield from _operator_scale_baseline(name, d)
+
+
+def _operator_scale_baseline(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """This operator against another build's (`--baseline`), runs in ABBA order: current / baseline medians."""
+    base = d.get("baseline")
+    if not base:
+        return
+    how = f"median of {base['runs']} runs each, ABBA; baseline {d.get('baseline_commit') or 'another build'}"
+    for key, label in (("all_ready_seconds", "all CRs Ready"), ("children_exist_seconds_p99",
+                                                                "burst: children exist, p99"),
+                       ("operator_requests_per_cr", "operator API requests per CR"),
+                       ("operator_cpu_seconds", "operator CPU")):
+        if (base.get(key) or {}).get("ratio") is not None:
+            yield Row("operator_scale", f"{label}: this operator / the baseline", base[key]["ratio"], "x", name,
+                      None, None, how)
 
 
 def _operator_scale_floor(name: str, d: dict[str, Any], n: str) -> Iterator[Row]:

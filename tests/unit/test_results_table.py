@@ -266,3 +266,25 @@ def test_autoscale_judges_the_planner_and_shows_keda_and_the_static_fleet_beside
     # worse than KEDA's SLO attainment at more replica-seconds: the "matches or beats" fails twice
     bad = table.rows({"autoscale.json": autoscale_result(0.98, 45.0, 2.0, 0.8, failed=3, replica_seconds=200)})
     assert [r.met for r in bad if r.goal] == [False] * 7
+
+
+def test_repeated_runs_are_judged_on_their_median_and_a_baseline_shows_as_ratios(bench, monkeypatch):
+    _, table = bench
+    monkeypatch.syspath_prepend(str(Path(table.__file__).parent))
+    scale = importlib.import_module("operator_scale")
+    assert scale.abba(["current", "baseline"], 3) == ["current", "baseline", "baseline", "current", "current",
+                                                      "baseline"]
+    runs = [{**operator_scale_result(100, 100), "arm": "current", "all_ready_seconds": s,
+             "children_exist_seconds": {"p50": 1.0, "p99": p99}} for s, p99 in ((25.0, 3.0), (33.0, 9.0), (27.0, 4.0))]
+    merged = scale.median_of(runs)
+    assert (merged["all_ready_seconds"], merged["children_exist_seconds"]["p99"]) == (27.0, 4.0)
+    assert merged["all_ready_seconds_runs"] == [25.0, 33.0, 27.0]
+    short = scale.median_of([*runs, {**operator_scale_result(100, 97), "arm": "current"}])
+    assert (short["ready_crs"], short["all_ready_seconds"]) == (97, None), "one run short of Ready: not met"
+    baseline = [{**r, "arm": "baseline", "all_ready_seconds": 2 * r["all_ready_seconds"]} for r in runs]
+    result = {**merged, "runs_per_arm": 3, "baseline": scale.compare_arms(runs, baseline), "baseline_commit": "ae93f66"}
+    rows = {r.measure: r for r in table.rows({"operator_scale.json": result})}
+    assert (rows["all CRs Ready"].value, rows["all CRs Ready"].met) == (27.0, True)
+    assert rows["all CRs Ready"].n.endswith("median of 3 runs")
+    assert rows["all CRs Ready: this operator / the baseline"].value == 0.5
+    assert "ae93f66" in rows["all CRs Ready: this operator / the baseline"].n
