@@ -34,6 +34,11 @@ class OperatorImages:
 DEFAULT_IMAGES = OperatorImages()
 
 
+def utc_now() -> str:
+    """Now, as the API's timestamps say it (RFC 3339, seconds, Z)."""
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
 def timestamp(stamp: object) -> float | None:
     """A Kubernetes timestamp (RFC 3339, `Z` for UTC) as seconds since the epoch; None when absent or malformed."""
     if not isinstance(stamp, str) or not stamp:

@@ -156,6 +156,11 @@ def rendezvous_url(cr: str, namespace: str) -> str:
     return f"http://{rendezvous_name(cr)}.{namespace}.svc:{RENDEZVOUS_PORT}"
 
 
+DEFAULT_RENDEZVOUS_TEMPLATE = rendezvous_url("{name}", "{namespace}")
+"""Where the operator reads each deployment's rendezvous by default: its in-cluster Service, {name} and {namespace}
+the CR's."""
+
+
 def router_url(cr: str, namespace: str, port: int) -> str:
     return f"http://{router_name(cr)}.{namespace}.svc:{port}"
 

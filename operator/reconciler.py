@@ -5,11 +5,10 @@ cluster match with server-side apply under one field manager, and writes status 
 Hard bounds it enforces:
 - every write is a server-side apply with force, so a hand-edited field we own is put back;
 - a no-op pass writes nothing (SSA of an unchanged object is not persisted; status is compared first);
-- one pass per CR at a time: triggers that arrive during a pass coalesce into one more pass.
+- one pass per CR at a time (controller/queue.py).
 """
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import secrets
 import time
@@ -27,7 +26,7 @@ from lightkube.types import PatchType
 
 from . import api, metrics, names
 from .bindings import BindingCollector, DinfResource, live_cr
-from .builders import OperatorImages, build_children, endpoint_url, engine_statefulset
+from .builders import OperatorImages, build_children, engine_statefulset
 from .engine_builders import Pinned, pinned_revision
 from .meta import FIELD_MANAGER, object_meta
 from .meta import cr_name as meta_name
@@ -38,13 +37,10 @@ from .rollout import revisions
 from .rollout.state import RevisionState, Role, RoleState
 from .rollout_executor import EventFn, RolloutExecutor, RolloutFailed, summary
 from .scale_executor import RoleScaler
-from .slots import Slots
 from .status import (
     TRANSPORT_VERIFIED,
-    Observed,
     RolloutView,
     TransportReport,
-    compute_status,
     condition,
     transport_event,
 )
@@ -82,69 +78,14 @@ def owner_of(child: Mapping[str, Any]) -> Key:
             str(labels.get(names.LABEL_INSTANCE) or ""))
 
 
-def _now() -> str:
-    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-
-
-class Coalescer:
-    """At most one pass per key at a time. A trigger for a key whose pass waits for a slot joins that pass (it
-    has read nothing yet); one that arrives while the pass runs collapses with the others into one more pass.
-    Either way at the strongest level asked for: a full pass if any trigger wanted one, else a status pass; and
-    urgent if any trigger was. At most `limit` passes run at once over all keys (None: unbounded); the rest wait
-    their turn, urgent ones (a pass that may turn the CR Ready or not Ready) first (slots.Slots).
-
-    The bound is what keeps a burst of CRs converging: unbounded, a thousand concurrent passes flood the
-    apiserver, their requests time out and kopf retries each handler a minute later."""
-
-    def __init__(self, limit: int | None = None) -> None:
-        self._running: set[Key] = set()  # a pass waiting for a slot, or running
-        self._waiting: dict[Key, bool] = {}  # keys whose pass waits for a slot: whether it is to be full
-        self._again: dict[Key, bool] = {}
-        self._urgent_again: set[Key] = set()
-        self.slots = Slots(limit)
-
-    async def run(self, key: Key, full: bool, fn: Callable[[bool], Awaitable[None]], urgent: bool = False) -> None:
-        if key in self._running:
-            if key in self._waiting:
-                self._waiting[key] = self._waiting[key] or full
-                if urgent:
-                    self.slots.promote(key)
-            else:
-                self._again[key] = self._again.get(key, False) or full
-                if urgent:
-                    self._urgent_again.add(key)
-            return
-        self._running.add(key)
-        try:
-            while True:
-                self._waiting[key] = full
-                async with self.slots.take(key, urgent=urgent):
-                    full = self._waiting.pop(key)
-                    await fn(full)
-                if key not in self._again:
-                    return
-                full = self._again.pop(key)
-                urgent = key in self._urgent_again
-                self._urgent_again.discard(key)
-        finally:
-            self._running.discard(key)
-            self._waiting.pop(key, None)
-            self._again.pop(key, None)
-            self._urgent_again.discard(key)
-
-
 class Reconciler:
     def __init__(self, client: AsyncClient, images: OperatorImages, logger: logging.Logger | None = None,
-                 namespaces: list[str] | None = None, max_concurrent_passes: int | None = None):
+                 namespaces: list[str] | tuple[str, ...] | None = None):
         self.client = client
         self.images = images
         # The namespaces this operator serves (None: all). It removes only rendezvous bindings of CRs in them.
         self.namespaces = set(namespaces) if namespaces else None
         self.log = logger or logging.getLogger("disagg.operator")
-        self.coalescer = Coalescer(max_concurrent_passes)
-        slots = self.coalescer.slots
-        metrics.PASSES_WAITING.labels(lane="urgent").set_function(lambda: slots.waiting()[0])
-        metrics.PASSES_WAITING.labels(lane="other").set_function(lambda: slots.waiting()[1])
         # What our last apply of each child sent and produced: a later event with the same marker is our own echo.
         self.applied: dict[ChildKey, Applied] = {}
         self._drifted: set[ChildKey] = set()  # children the watch saw change under us since we applied them
@@ -471,13 +412,10 @@ class Reconciler:
         return key in self._drift_owners
 
     # -- status ------------------------------------------------------------------------------------------
-    async def publish_status(self, cr: api.DisaggregatedInference,
-                             observed: Observed) -> api.DisaggregatedInferenceStatus | None:
-        """Write the status if it changed from the one stored in `cr`. Returns the status, or None when the CR is
-        gone."""
+    async def publish_status(self, cr: api.DisaggregatedInference, status: api.DisaggregatedInferenceStatus
+                             ) -> api.DisaggregatedInferenceStatus | None:
+        """Write `status` if it differs from the one stored in `cr`. Returns it, or None when the CR is gone."""
         meta = cr.metadata
-        status = compute_status(cr.spec, int(meta.get("generation", 0)), observed, endpoint_url(cr), cr.status,
-                                _now())
         metrics.CONDITIONS.record(meta["namespace"], meta["name"], status.conditions)
         if status == cr.status:
             return status

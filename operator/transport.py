@@ -27,8 +27,7 @@ from . import metrics, names
 from .names import Key
 from .status import EngineTransport, TransportReport
 
-DEFAULT_TEMPLATE = names.rendezvous_url("{name}", "{namespace}")
-"""The in-cluster Service of each deployment's rendezvous (names.rendezvous_url), as a template."""
+DEFAULT_TEMPLATE = names.DEFAULT_RENDEZVOUS_TEMPLATE
 
 log = logging.getLogger("disagg.operator.transport")
 

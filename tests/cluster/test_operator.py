@@ -14,7 +14,7 @@ from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 from lightkube.types import PatchType
 
 from disagg.devcluster import fleet
-from disagg.operator.handlers import CHILD_KINDS as WATCHED_KINDS
+from disagg.operator.controller.handlers import CHILD_KINDS as WATCHED_KINDS
 from disagg.operator.names import rendezvous_binding_name
 from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
 from support.dinf import Dinf, cond, create, engine_pod_name, engine_sts, is_ready, revision, small

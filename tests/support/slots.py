@@ -1,9 +1,9 @@
-"""Waiting on the operator's pass queue (disagg.operator.slots) in unit tests."""
+"""Waiting on the operator's pass queue (disagg.operator.controller.queue) in unit tests."""
 from __future__ import annotations
 
 import asyncio
 
-from disagg.operator.slots import Slots
+from disagg.operator.controller.queue import Slots
 
 
 async def until_waiting(slots: Slots, waiting: tuple[int, int], turns: int = 100) -> None:

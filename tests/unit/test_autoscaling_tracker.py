@@ -18,6 +18,7 @@ from disagg.connector.router.engine_pool import EnginePool
 from disagg.operator import api, run
 from disagg.operator.autoscale_executor import advertised, targets
 from disagg.operator.autoscaling import scrape, tracker
+from disagg.operator.controller.settings import from_args
 
 P90 = 90.0
 
@@ -192,6 +193,10 @@ def test_the_operator_refuses_a_window_shorter_than_its_tick():
 def test_the_default_window_is_15_seconds_or_one_tick_if_longer():
     p = argparse.ArgumentParser()
     run.add_arguments(p)
-    assert run.autoscale_window(p.parse_args([])) == 15.0
-    assert run.autoscale_window(p.parse_args(["--autoscale-seconds", "30"])) == 30.0
-    assert run.autoscale_window(p.parse_args(["--autoscale-window-seconds", "40"])) == 40.0
+
+    def window(*argv: str) -> float:
+        return from_args(p.parse_args(list(argv))).autoscale_window_seconds
+
+    assert window() == 15.0
+    assert window("--autoscale-seconds", "30") == 30.0
+    assert window("--autoscale-window-seconds", "40") == 40.0

@@ -1,10 +1,11 @@
-"""Which pass a child's watch event asks for (handlers.child_event_pass)."""
+"""Which pass a child's watch event asks for (controller/handlers.child_event_pass)."""
 from __future__ import annotations
 
 import kopf
 import pytest
 
-from disagg.operator import handlers
+from disagg.operator.controller import handlers
+from disagg.operator.controller.settings import Settings
 
 
 @pytest.mark.parametrize("kind", sorted(handlers.CHILD_KINDS))
@@ -21,7 +22,9 @@ def test_an_echo_refreshes_status_only_for_the_kinds_status_reads():
 def test_every_child_kind_the_operator_indexes_for_status_refreshes_it():
     """Status reads children only through kopf indexes: a child kind with one must be a status kind, or its
     status changes would never reach the CR."""
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, Settings())
     plurals = {plural: kind for kind, (_g, _v, plural) in handlers.CHILD_KINDS.items()}
-    indexed = {plurals[h.selector.any_name] for h in kopf.get_default_registry()._indexing.get_all_handlers()
+    indexed = {plurals[h.selector.any_name] for h in registry._indexing.get_all_handlers()
                if h.selector is not None and h.selector.any_name in plurals}
     assert indexed and indexed <= handlers.STATUS_KINDS

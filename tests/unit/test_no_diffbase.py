@@ -3,14 +3,16 @@ from __future__ import annotations
 
 import kopf
 
-import disagg.operator.handlers  # noqa: F401  (registers the operator's handlers with kopf's default registry)
+from disagg.operator.controller import handlers
+from disagg.operator.controller.settings import Settings
 from disagg.operator.no_diffbase import NoDiffBase
 
 
 def test_no_handler_reads_the_diff_base():
-    registry = kopf.get_default_registry()
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, Settings())
     changing = [h.id for h in registry._changing.get_all_handlers()]
-    assert changing == [], f"changing handlers need kopf's diff base; run.py replaces it with NoDiffBase: {changing}"
+    assert changing == [], f"changing handlers need kopf's diff base; the operator runs NoDiffBase: {changing}"
     assert [h.id for h in registry._watching.get_all_handlers()], "the operator's handlers were not registered"
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from disagg.operator.slots import Slots
+from disagg.operator.controller.queue import Slots
 from support.slots import until_waiting
 
 

@@ -1,7 +1,5 @@
-"""The pure status function and the pass coalescer: the invariants the reconciler relies on."""
+"""The pure status function: the invariants the reconciler relies on."""
 from __future__ import annotations
-
-import asyncio
 
 import pytest
 
@@ -15,7 +13,7 @@ from disagg.operator.api import (
     RoleStatus,
 )
 from disagg.operator.builders import OperatorImages
-from disagg.operator.reconciler import Coalescer, Reconciler
+from disagg.operator.reconciler import Reconciler
 from disagg.operator.scale.counts import RoleScale
 from disagg.operator.status import (
     CreateFailure,
@@ -36,7 +34,6 @@ from disagg.operator.status import (
     transport_verdict,
     workload_state,
 )
-from support.slots import until_waiting
 
 SPEC = DisaggregatedInferenceSpec.model_validate({"model": {"name": "m"}, "accelerator": {"profile": "nvidia-h200"},
                                                   "prefill": {"replicas": 2}})
@@ -121,133 +118,6 @@ def test_workload_state_reads_statefulset_status():
     assert st == WorkloadState(3, 3, 2, 3, True, True) and not st.settled
 
 
-def test_coalescer_runs_one_pass_at_a_time_at_the_strongest_level():
-    async def scenario():
-        c, runs, gate, started = Coalescer(), [], asyncio.Event(), asyncio.Event()
-
-        async def fn(full):
-            runs.append(full)
-            started.set()
-            if len(runs) == 1:
-                await gate.wait()
-
-        first = asyncio.create_task(c.run(("ns", "a"), False, fn))
-        await started.wait()
-        await c.run(("ns", "a"), False, fn)  # arrive during the pass: coalesced
-        await c.run(("ns", "a"), True, fn)   # a full trigger upgrades the pending pass
-        await c.run(("ns", "a"), False, fn)
-        gate.set()
-        await first
-        return runs
-
-    assert asyncio.run(scenario()) == [False, True]
-
-
-def test_a_resync_that_joins_another_pass_still_gets_its_children_verified():
-    """As handlers.run_pass does: the resync asks the reconciler for a thorough pass, then triggers one; whichever
-    pass of the CR runs next takes the request, once."""
-    async def scenario():
-        r = Reconciler(None, OperatorImages())  # type: ignore[arg-type]
-        c, key, runs, gate, started = r.coalescer, ("ns", "a"), [], asyncio.Event(), asyncio.Event()
-
-        async def fn(full):
-            thorough = r.take_verify(key)
-            runs.append("thorough" if thorough else "full" if full else "status")
-            started.set()
-            if len(runs) == 1:
-                await gate.wait()
-
-        first = asyncio.create_task(c.run(key, False, fn))  # a status pass, running
-        await started.wait()
-        r.verify_next(key)
-        await c.run(key, True, fn)  # the resync's trigger: queued behind it
-        gate.set()
-        await first
-        await c.run(key, True, fn)  # a later change: full, not thorough
-        r.verify_next(key)
-        r.forget(key)  # the CR was deleted: nothing is left to verify
-        return runs, r.take_verify(key)
-
-    assert asyncio.run(scenario()) == (["status", "thorough", "full"], False)
-
-
-def test_coalescer_bounds_the_passes_running_at_once():
-    async def scenario():
-        c, gate, two_running, running, peak = Coalescer(limit=2), asyncio.Event(), asyncio.Event(), [0], [0]
-
-        async def fn(_full):
-            running[0] += 1
-            peak[0] = max(peak[0], running[0])
-            if running[0] == 2:
-                two_running.set()
-            await gate.wait()
-            running[0] -= 1
-
-        # All five tasks take their first step before the event's waiter resumes: unbounded, all five would be
-        # running by then; bounded, three are queued for a slot.
-        tasks = [asyncio.create_task(c.run(("ns", f"cr{i}"), True, fn)) for i in range(5)]
-        await two_running.wait()
-        waiting = sum(not t.done() for t in tasks)
-        gate.set()
-        await asyncio.gather(*tasks)
-        return peak[0], waiting, running[0]
-
-    assert asyncio.run(scenario()) == (2, 5, 0)
-
-
-def test_an_urgent_trigger_moves_a_waiting_pass_ahead_and_the_next_pass_keeps_its_urgency():
-    async def scenario():
-        c, order, release, holding = Coalescer(limit=1), [], asyncio.Event(), asyncio.Event()
-
-        def fn(name):
-            async def run(full):
-                order.append((name, full))
-                if name == "holder" and len(order) == 1:
-                    holding.set()
-                    await release.wait()
-            return run
-
-        tasks = [asyncio.create_task(c.run(("ns", "holder"), True, fn("holder")))]
-        await holding.wait()
-        tasks += [asyncio.create_task(c.run(("ns", n), True, fn(n))) for n in ("a", "b")]
-        await until_waiting(c.slots, (0, 2))
-        await c.run(("ns", "b"), False, fn("b"), urgent=True)  # b's pods are ready: its waiting pass goes first
-        await c.run(("ns", "holder"), False, fn("holder"), urgent=True)  # during holder's pass: its next is urgent
-        promoted = c.slots.waiting()
-        release.set()
-        await asyncio.gather(*tasks)
-        return promoted, order
-
-    promoted, order = asyncio.run(scenario())
-    assert promoted == (1, 1)
-    # b's status trigger joined its waiting full pass (no second pass); holder's, during its pass, made one more.
-    assert order == [("holder", True), ("b", True), ("holder", False), ("a", True)]
-
-
-def test_a_trigger_for_a_pass_still_waiting_for_a_slot_joins_it_at_the_stronger_level():
-    async def scenario():
-        c, order, release, holding = Coalescer(limit=1), [], asyncio.Event(), asyncio.Event()
-
-        async def hold(full):
-            holding.set()
-            await release.wait()
-
-        async def record(full):
-            order.append(full)
-
-        holder = asyncio.create_task(c.run(("ns", "holder"), True, hold))
-        await holding.wait()
-        waiting = asyncio.create_task(c.run(("ns", "a"), False, record))
-        await until_waiting(c.slots, (0, 1))
-        for full in (False, True, False):  # child events, one a hand edit, while a's status pass waits
-            await c.run(("ns", "a"), full, record)
-        release.set()
-        await asyncio.gather(holder, waiting)
-        return order
-
-    assert asyncio.run(scenario()) == [True]
-
-
 def test_a_pass_is_urgent_when_the_children_settled_and_ready_disagree():
     settled, starting = WorkloadState(1, 1, 1, 1, True, True), WorkloadState(1, 1, 0, 1, True, True)
     ready = DisaggregatedInferenceStatus(conditions=[Condition(type="Ready", status="True", reason="r")])
@@ -259,11 +129,6 @@ def test_a_pass_is_urgent_when_the_children_settled_and_ready_disagree():
     assert not ready_may_flip(not_ready, [settled, settled], WorkloadState())  # its router is not there yet
     assert not ready_may_flip(ready, [settled, settled], settled)  # nothing to tell
     assert not ready_may_flip(None, [], None)  # no engine workload exists yet
-
-
-def test_coalescer_refuses_a_bound_below_one():
-    with pytest.raises(ValueError, match="at least 1"):
-        Coalescer(limit=0)
 
 
 # ---- TransportVerified -------------------------------------------------------------------------------------
@@ -608,7 +473,7 @@ def test_a_pod_that_recovered_leaves_the_problem_index():
     """kopf keeps what an indexer returned for an object before when it now returns None; `{}` clears it."""
     import kopf
 
-    from disagg.operator.handlers import pod_problem_index
+    from disagg.operator.controller.indexes import pod_problem_index
 
     labels = {"app.kubernetes.io/instance": "m", "serving.disagg.io/role": "decode"}
     failing = engine_pod("m-decode-0", "decode", containers=[waiting("engine", "ImagePullBackOff", PULL)])

@@ -13,7 +13,7 @@ import pytest
 from disagg.connector.rendezvous.auth import TokenAuth
 from disagg.connector.rendezvous.client import RendezvousClient
 from disagg.connector.rendezvous.server import RendezvousServer
-from disagg.operator import names, run
+from disagg.operator import names
 from disagg.operator.status import EngineTransport, TransportReport
 from disagg.operator.transport import DEFAULT_TEMPLATE, TransportPoller, check_template
 from support.rendezvous import advert
@@ -58,7 +58,7 @@ def closed_port() -> int:
 
 
 def test_default_template_is_the_in_cluster_service():
-    assert DEFAULT_TEMPLATE == run.DEFAULT_RENDEZVOUS_TEMPLATE
+    assert DEFAULT_TEMPLATE == names.DEFAULT_RENDEZVOUS_TEMPLATE
     assert DEFAULT_TEMPLATE.format(name="qwen", namespace="ml") == names.rendezvous_url("qwen", "ml")
     assert check_template("http://127.0.0.1:8080") == "http://127.0.0.1:8080", "placeholders are optional"
     for bad in ("http://{cr}.svc", "{name}-rendezvous:8080", "http://{0}"):

@@ -5,14 +5,21 @@ from typing import Any
 
 import kopf
 
-import disagg.operator.handlers  # noqa: F401  (registers the operator's handlers with kopf's default registry)
 from disagg.operator import api, names, watch_selectors
+from disagg.operator.controller import handlers
+from disagg.operator.controller.settings import Settings
 
 MANAGED = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY}"
 
 
+def operator_registry() -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, Settings())
+    return registry
+
+
 def test_the_operators_own_watches_ask_only_for_what_its_handlers_take():
-    selectors = watch_selectors.derive(kopf.get_default_registry())
+    selectors = watch_selectors.derive(operator_registry())
     assert selectors.labels == {
         ("", "v1", "pods"): MANAGED,
         ("apps", "v1", "statefulsets"): MANAGED,
@@ -54,7 +61,7 @@ def test_field_filters_with_a_value_become_field_selectors():
 
 def test_configure_sets_kopfs_watch_settings():
     settings = kopf.OperatorSettings()
-    watch_selectors.configure(settings, watch_selectors.derive(kopf.get_default_registry()))
+    handlers.configure_kopf(settings, operator_registry())
     pods = kopf.Resource("", "v1", "pods")
     events = kopf.Resource("", "v1", "events")
     assert settings.watching.label_selectors.collect(pods) == [MANAGED]
