@@ -22,7 +22,8 @@ cell records the cores each group (apiserver, etcd, kubelet, containerd, the ope
 over the cell and while each of its five slowest requests waited for a first token.
 
   flock /tmp/disagg-engines.lock .venv/bin/python bench/cluster_path.py     # about 46 minutes warm
-Writes bench/results/cluster_path.json. `--quick` checks the harness with few requests.
+Writes bench/results/cluster_path.json. `--quick` checks the harness with few requests. Judged on three runs of the
+same code: run it with `--seed` 13, 23, 33 and `--out` files of their own, then `--combine` them.
 """
 from __future__ import annotations
 
@@ -279,6 +280,37 @@ async def main_async(args: argparse.Namespace) -> dict:
     }
 
 
+def combine(paths: list[Path]) -> dict:
+    """Runs of the same code pooled: each arm's requests from every run, per cell, and the ratios over the pool
+    (intervals by resampling requests), with each run's own geomeans beside them. Refuses other code or cells."""
+    runs = [result_file.load(path) for path in paths]
+    first = runs[0]
+    for path, run in zip(paths, runs, strict=True):
+        if run.get("commit") != first.get("commit") or run["config"]["cells"] != first["config"]["cells"]:
+            raise SystemExit(f"{path} differs from {paths[0]} in commit or cells: only runs of the same code pool")
+    arms = {arm: merge_segments([ArmResult(**run["arms"][arm]) for run in runs]) for arm in ARMS}
+    local, cluster = arms["local-router-push"], arms["cluster-router-push"]
+    per_run = {q: [run["headline"]["ttft_cluster_over_local"].get(f"geomean_{q}") for run in runs]
+               for q in ("p50", "p99")}
+    return {
+        **{k: v for k, v in first.items() if k not in ("segments", "arms", "headline", "cpu_timeline")},
+        "command": f"{first.get('command', 'python bench/cluster_path.py')}  (x{len(runs)}, seeds "
+                   f"{[r['config']['seed'] for r in runs]}), then bench/cluster_path.py --combine",
+        "runs": [{"file": path.name, "when": run.get("when"), "seed": run["config"]["seed"],
+                  "machine": run.get("machine"), "elapsed_s": run.get("elapsed_s"),
+                  "ttft_cluster_over_local": {f"geomean_{q}": v for q, v in
+                                              ((q, run["headline"]["ttft_cluster_over_local"].get(f"geomean_{q}"))
+                                               for q in ("p50", "p99"))}}
+                 for path, run in zip(paths, runs, strict=True)],
+        "arms": {"local-router-push": asdict(local), "cluster-router-push": asdict(cluster)},
+        "headline": {"ttft_cluster_over_local": {**ratios(local, cluster), "per_run": per_run,
+                                                 "goal": "cluster/local TTFT p50 and p99 at most 1.05"},
+                     "handoff_cluster_over_local": ratios(local, cluster, "handoff"),
+                     "ttft_parts_p50_ms": {"local": breakdown(local), "cluster": breakdown(cluster)}},
+        "elapsed_s": round(sum(run.get("elapsed_s") or 0 for run in runs), 1),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cells", default=DEFAULT_CELLS, help="prompt tokens @ requests/s, comma-separated")
@@ -292,7 +324,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=13)
     p.add_argument("--quick", action="store_true", help="a few requests, to check the harness")
     p.add_argument("--out", type=Path, default=RESULTS / "cluster_path.json")
+    p.add_argument("--combine", nargs="+", type=Path,
+                   help="pool these runs' result files (the same code, different seeds) into --out instead")
     args = p.parse_args()
+    if args.combine:
+        combined = combine(args.combine)
+        result_file.write(args.out, combined)
+        print(yaml.safe_dump(combined["headline"]["ttft_cluster_over_local"], sort_keys=False))
+        return
     if args.quick:
         args.cells, args.requests, args.warmup, args.rounds = "256@1", 6, 1, 2
     result = asyncio.run(main_async(args))
