@@ -59,7 +59,7 @@ from lightkube.resources.policy_v1 import PodDisruptionBudget
 from disagg.devcluster import build
 from disagg.devcluster.cluster import ClusterConfig, LocalCluster, die_with_parent, free_port
 from disagg.devcluster.fleet import FleetSpec
-from disagg.operator import api, crdgen, names
+from disagg.operator import api, crdgen, names, role_api
 from disagg.operator.builders import build_children
 from disagg.operator.status import TRANSPORT_VERIFIED, workload_state
 
@@ -492,7 +492,7 @@ def abba(arms: list[str], runs: int) -> list[str]:
 HEADLINE = ("all_ready_seconds", "created_all_seconds", "ready_crs", "operator_requests_per_cr",
             "solo_operator_requests_per_cr", "operator_startup_requests", "operator_cpu_seconds",
             "operator_peak_rss_mib", "idle_requests", "idle_patches_per_cr", "idle_child_patches_per_cr",
-            "idle_objects_changed", "idle_objects_changed_by_operator")
+            "idle_objects_changed", "idle_objects_changed_by_operator", "failed_passes")
 SPREADS = ("solo_children_exist_seconds", "solo_ready_seconds", "children_exist_seconds", "ready_seconds")
 
 
@@ -542,12 +542,14 @@ def run_once(args: argparse.Namespace, operator_bin: Path) -> dict[str, Any]:
     operator = None
     try:
         client = Client(KubeConfig.from_file(cluster.kubeconfig))
-        client.create(codecs.from_dict(crdgen.crd()))
+        # Both CRDs, as the chart installs them: without the role objects' every pass is refused and retried.
+        for crd in (crdgen.crd(), crdgen.role_crd()):
+            client.create(codecs.from_dict(crd))
         for ns in [SOLO_NAMESPACE, *(f"bench-{i}" for i in range(NAMESPACES))]:
             client.create(Namespace(metadata=ObjectMeta(name=ns)))
         subprocess.run([str(cluster.bin / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", "wait",
-                        "--for=condition=Established", f"crd/{api.PLURAL}.{api.GROUP}"], check=True,
-                       stdout=subprocess.DEVNULL)
+                        "--for=condition=Established", f"crd/{api.PLURAL}.{api.GROUP}",
+                        f"crd/{role_api.PLURAL}.{api.GROUP}"], check=True, stdout=subprocess.DEVNULL)
         health, metrics_port = free_port(), free_port()
         op_log = cluster.dir / "logs" / "operator.log"
         operator = subprocess.Popen(
@@ -697,6 +699,8 @@ def run_once(args: argparse.Namespace, operator_bin: Path) -> dict[str, Any]:
             "idle_requests_by_verb_and_resource": by_verb_and_resource(idle),
             "burst_control_plane_cpu_seconds": burst_cpu,
             "burst_apiserver_requests": burst_requests,
+            "failed_passes": sum(n for k, n in counters["idle"].items() if k.startswith("reconciles{") and
+                                 "result=error" in k),
             "burst_operator_counters": counter_delta(counters["burst"], counters["solo"]),
             "idle_operator_counters": counter_delta(counters["idle"], counters["settled"]),
         }

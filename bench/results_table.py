@@ -203,6 +203,10 @@ def _operator_scale(name: str, d: dict[str, Any]) -> Iterator[Row]:
     if d.get("created_all_seconds") is not None:
         yield Row("operator_scale", "the bench's creates alone", d["created_all_seconds"], "s", name, None, None,
                   f"{d.get('create_concurrency', 1)} at a time")
+    if "failed_passes" in d:  # a bench whose operator is refused measures its retries, not its work
+        yield Row("operator_scale", "reconcile passes that failed", d["failed_passes"], "passes", name, None,
+                  Goal("==", 0), "from start to the end of the idle window" + (f"; median of {runs} runs"
+                                                                                if runs else ""))
     yield Row("operator_scale", "operator API requests per CR", d.get("operator_requests_per_cr"), "requests",
               name, None, None, n)
     yield Row("operator_scale", "operator peak RSS", d.get("operator_peak_rss_mib"), "MiB", name, None,
