@@ -587,7 +587,7 @@ def combine(paths: list[Path]) -> dict:
             "runs": [{"file": path.name, "when": run.get("when"), "seed": run["config"].get("seed"),
                       "machine": run.get("machine"), "engine_time_s": run.get("engine_time_s")}
                      for path, run in zip(paths, runs, strict=True)],
-            "goal_met": None if goal is None else goal <= 1.2,
+            "goal_met": None if goal is None else goal <= 1.2, "when": max(str(run.get("when")) for run in runs),
             "headline": headline, "arms": {arm: {**a, "pairs": [p for run in runs for p in
                                                                  (run["arms"].get(arm) or {}).get("pairs") or ()]}
                                            for arm, a in arms.items()}}
