@@ -251,7 +251,7 @@ def _operator_scale_floor(name: str, d: dict[str, Any], n: str) -> Iterator[Row]
     at_once = floor.get("apply_concurrency")
     how = f"the same children applied by the bench, {at_once} CR{'' if at_once == 1 else 's'} at a time; no operator"
     yield Row("operator_scale", "control plane alone: all Ready", floor.get("all_ready_seconds"), "s", name, None,
-              None, f"{how}; {n}")
+              None, f"{how}; one run; {d.get('crs')} CRs on {d.get('nodes')} kwok nodes")
     cpu = floor.get("control_plane_cpu_seconds") or {}
     yield Row("operator_scale", "control plane alone: its CPU", round(sum(cpu.values()), 1), "core-s", name, None,
               None, ", ".join(f"{k} {v:g}" for k, v in cpu.items()))
@@ -261,7 +261,8 @@ def _operator_scale_floor(name: str, d: dict[str, Any], n: str) -> Iterator[Row]
                   name, None, None, ", ".join(f"{k} {v:g}" for k, v in burst.items()))
     if d.get("all_ready_seconds") is not None and floor.get("all_ready_seconds"):
         yield Row("operator_scale", "all Ready: with the operator / control plane alone",
-                  round(d["all_ready_seconds"] / floor["all_ready_seconds"], 3), "x", name, None, None, n)
+                  round(d["all_ready_seconds"] / floor["all_ready_seconds"], 3), "x", name, None, None,
+                  f"{n}; the control plane's one run")
 
 
 def _capacity(name: str, d: dict[str, Any]) -> Iterator[Row]:

@@ -19,7 +19,6 @@ LEGACY = {
     "capacity.json",
     "cluster_path.json",
     "kv_write.json",
-    "operator_scale.json",
     "operator_scale_1000.json",
     "pd_busy_decode.json",
     "pd_serving.json",
