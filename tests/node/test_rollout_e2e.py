@@ -14,10 +14,9 @@ import time
 import pytest
 from lightkube.types import PatchType
 
-from disagg.operator import names
 from support.dinf import Dinf, create
 from support.kube import watch_until
-from support.traffic import Stream, settled
+from support.traffic import Stream, routed_url, settled
 
 pytestmark = [pytest.mark.cluster, pytest.mark.node]
 
@@ -31,10 +30,7 @@ def emulated(cluster, real_node, operator_release, module_namespace):
                  "engine": {"emulator": {"profile": "cpu-kv64k"}}, "kvTransfer": {"mode": "push"},
                  "router": {"pairWaitSeconds": 120}, "prefill": {"replicas": 2}, "decode": {"replicas": 2}}})
     watch_until(cluster, Dinf, name, settled(2, 2), namespace=module_namespace, timeout=300, what="settled")
-    from lightkube.resources.core_v1 import Service
-
-    svc = cluster.client.get(Service, names.router_name(name), namespace=module_namespace)
-    return name, f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
+    return name, routed_url(cluster, module_namespace, name)
 
 
 def _patch(cluster, namespace: str, name: str, spec: dict) -> None:

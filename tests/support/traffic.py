@@ -8,7 +8,20 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
-from support.engines import completion
+from support.engines import await_status, completion
+
+
+def routed_url(cluster, namespace: str, name: str, timeout: float = 60) -> str:
+    """The URL of a CR's router Service once the Service routes to it. Ready follows the router Deployment; kube-proxy
+    programs the Service's rules a moment later, and until then its ClusterIP refuses connections."""
+    from lightkube.resources.core_v1 import Service
+
+    from disagg.operator import names
+
+    svc = cluster.client.get(Service, names.router_name(name), namespace=namespace)
+    url = f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
+    await_status(url + "/health", 200, timeout=timeout)
+    return url
 
 
 class Stream:
@@ -70,9 +83,7 @@ def settled(prefill: int, decode: int) -> Callable[[object], bool]:
 def emulated_autoscaled(cluster, namespace: str, name: str, autoscaling: dict) -> str:
     """A push CR of engine emulators (cpu-kv64k) with `autoscaling`, settled at 1P1D; its router's URL (the
     Service's ClusterIP, reached from the host through kube-proxy)."""
-    from lightkube.resources.core_v1 import Service
 
-    from disagg.operator import names
     from support.dinf import Dinf, create
     from support.kube import watch_until
 
@@ -82,5 +93,4 @@ def emulated_autoscaled(cluster, namespace: str, name: str, autoscaling: dict) -
                  "engine": {"emulator": {"profile": "cpu-kv64k"}}, "kvTransfer": {"mode": "push"},
                  "router": {"pairWaitSeconds": 150}, "autoscaling": autoscaling}})
     watch_until(cluster, Dinf, name, settled(1, 1), namespace=namespace, timeout=300, what="settled at 1P1D")
-    svc = cluster.client.get(Service, names.router_name(name), namespace=namespace)
-    return f"http://{svc.spec.clusterIP}:{svc.spec.ports[0].port}"
+    return routed_url(cluster, namespace, name)
