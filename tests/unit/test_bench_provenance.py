@@ -17,7 +17,6 @@ OWN_PROVENANCE = {"emulator_fit.py"}
 # have it: the script that writes it merges result_file.provenance() into its result.
 LEGACY = {
     "capacity.json",
-    "cluster_path.json",
     "kv_write.json",
     "operator_scale_1000.json",
     "pd_busy_decode.json",
