@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from support.engines import polled
 
 T = TypeVar("T")
 
@@ -152,15 +153,15 @@ def scrape_configs(monitor: dict, kubeconfig: Path) -> list[dict]:
 
 def await_value(fn: Callable[[], T | None], timeout: float, what: str, interval: float = 1.0) -> T:
     """The first truthy value of `fn`, polled: Prometheus is another process, whose state has no watch."""
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while True:
-        last = fn()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:.0f} s; last: {last!r}")
-        time.sleep(interval)
+    seen: list[T | None] = []
+
+    def found() -> bool:
+        seen.append(fn())
+        return bool(seen[-1])
+
+    if not polled(found, timeout, interval):
+        raise TimeoutError(f"{what}: not within {timeout:.0f} s; last: {seen[-1]!r}")
+    return seen[-1]  # type: ignore[return-value]  # truthy, so not None
 
 
 class Prometheus:
