@@ -58,7 +58,13 @@ _handed_out: set[int] = set()
 
 def free_port() -> int:
     """A port nothing listens on now, in LISTEN_PORTS, and not handed out by this process before: each child binds
-    its own, after this returns, so two asking in turn must not get the same."""
+    its own, after this returns, so two asking in turn must not get the same.
+
+    The gap can be long: vLLM binds its NIXL side channel only once the model is loaded, tens of seconds after
+    start, when a pair's engines have picked six ports between them. A port from the ephemeral range (what binding
+    port 0 gives) could meanwhile become some connection's local port, and a port merely checked free could be
+    picked again for the other engine; either way vLLM's side-channel listener dies on bind and its engine core
+    waits for it forever."""
     start = random.randrange(len(LISTEN_PORTS))
     for i in range(len(LISTEN_PORTS)):
         port = LISTEN_PORTS[(start + i) % len(LISTEN_PORTS)]

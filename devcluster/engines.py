@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +22,7 @@ from disagg.connector.wire import env as wire_env
 from disagg.connector.wire import kv_events as wire_kv_events
 from disagg.connector.wire.kv_transfer import kv_transfer_config
 
-from .cluster import die_with_parent
+from .cluster import die_with_parent, free_port
 from .netns import NETNS_UCX_TLS, Slot
 from .procs import children, disagg_exe, process_group, stack_dump
 
@@ -108,34 +106,16 @@ class EngineFailed(RuntimeError):
     pass
 
 
-def listen_port(host: str = "127.0.0.1") -> int:
-    """A free port below the kernel's ephemeral range, for a port an engine binds long after it is picked.
-
-    vLLM binds its NIXL side channel only once the model is loaded, tens of seconds after start. A port from
-    the ephemeral range (what binding port 0 gives) can meanwhile become some connection's local port (the
-    engine's own peers and rendezvous clients open many), and then vLLM's side-channel listener dies on bind
-    and the engine core waits for it forever. Outgoing connections never take ports below the range."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(max(low - 12000, 1024), low), 200):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port below the ephemeral range (from {low})")
-
-
 class LocalEngine:
     def __init__(self, spec: EngineSpec, python: Path, log_dir: Path):
         self.spec = spec
         self.python = python
         self.log = log_dir / f"{spec.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        spec.port = spec.port or listen_port()
-        spec.side_channel_port = spec.side_channel_port or listen_port()
+        spec.port = spec.port or free_port()
+        spec.side_channel_port = spec.side_channel_port or free_port()
         if spec.kv_events and spec.kv_events_ports == (0, 0):
-            spec.kv_events_ports = (listen_port(), listen_port())
+            spec.kv_events_ports = (free_port(), free_port())
 
     @property
     def url(self) -> str:

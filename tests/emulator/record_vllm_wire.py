@@ -27,7 +27,8 @@ import zmq
 from disagg.connector.router import pd_protocol as pd
 from disagg.connector.wire.advertisement import EngineAdvertisement
 from disagg.devcluster import tinymodel, vllm_env
-from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, install_plugin, listen_port
+from disagg.devcluster.cluster import free_port
+from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, install_plugin
 from disagg.devcluster.procs import DisaggService
 
 OUT = Path(__file__).resolve().parent / "vllm_wire"
@@ -42,8 +43,8 @@ class RecordingEngine(LocalEngine):
     replay_port = 0
 
     def command(self) -> list[str]:
-        self.events_port = self.events_port or listen_port()
-        self.replay_port = self.replay_port or listen_port()
+        self.events_port = self.events_port or free_port()
+        self.replay_port = self.replay_port or free_port()
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{self.events_port}",
                   "replay_endpoint": f"tcp://*:{self.replay_port}", "topic": "kv"}
         return [*super().command(), "--kv-events-config", json.dumps(config), "--enable-prompt-tokens-details"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.devcluster.engines import EngineFailed, EngineSpec, LocalEngine, listen_port
+from disagg.devcluster.engines import EngineFailed, EngineSpec, LocalEngine
 from disagg.devcluster.procs import py_spy
 
 HANG = """
@@ -117,10 +117,9 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-def test_engine_ports_lie_below_the_ephemeral_range_and_are_free():
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(20):
-        port = listen_port()
-        assert 1024 <= port < low
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # still free: nothing else holds it
+def test_engines_made_before_either_binds_get_distinct_ports(tmp_path):
+    """A pair picks all its ports before either engine binds one: no port may serve two purposes."""
+    specs = [EngineSpec(name=f"e{i}", model=tmp_path, role="prefill", core=0, kv_events=True) for i in range(40)]
+    engines = [LocalEngine(spec, Path(sys.executable), tmp_path) for spec in specs]
+    ports = [p for e in engines for p in (e.spec.port, e.spec.side_channel_port, *e.spec.kv_events_ports)]
+    assert len(set(ports)) == len(ports) == 160
