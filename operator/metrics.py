@@ -8,6 +8,10 @@ from .planner_metrics import PlannerDecisions
 
 RECONCILES = Counter("disagg_operator_reconciles_total", "Reconcile passes by trigger and result",
                      ["trigger", "result"])
+RECONCILE_ERRORS = Counter("disagg_operator_reconcile_errors_total",
+                           "Reconcile passes that failed, whatever triggered them. Unlike the result=\"error\" "
+                           "series of disagg_operator_reconciles_total, one per trigger and made at its first error, "
+                           "it is exported from the start at 0, so rate() counts the first failure")
 RECONCILE_SECONDS = Histogram("disagg_operator_reconcile_seconds", "Duration of a reconcile pass",
                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 CHILD_WRITES = Counter("disagg_operator_child_changes_total", "Children created or updated", ["kind", "change"])

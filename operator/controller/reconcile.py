@@ -183,10 +183,13 @@ async def run_pass(p: Parts, key: Key, full: bool, trigger: str) -> float | None
         await write(p, key, wanted)
     except Exception:  # an API error, a timeout: one CR's failure never stops the queue
         metrics.RECONCILES.labels(trigger=trigger, result="error").inc()
+        metrics.RECONCILE_ERRORS.inc()
         log.exception("pass of %s/%s (%s) failed", *key, trigger)
         return 10.0 if full else None
     if wanted.result != "gone":
         metrics.RECONCILES.labels(trigger=trigger, result=wanted.result).inc()
+    if wanted.result == "error":
+        metrics.RECONCILE_ERRORS.inc()
     if wanted.result == "invalid":
         log.error("%s/%s: invalid spec: %s", *key, wanted.events[0].message)
     if wanted.failed is None:

@@ -13,8 +13,8 @@ same /metrics names as vLLM's engines) with the planner in Recommend mode, so th
   vector selector in it, returns this deployment's series, every rule evaluates without error, and no alert about
   the deployment or the operator is pending or firing at an evaluation after DisaggNoPairs' window filled;
 - a change freeze (an admission policy refusing StatefulSet replica changes) while the decode role is scaled to zero
-  refuses the operator's writes: DisaggOperatorReconcileErrors fires, and the operator's error series, which it
-  creates at its first error, answer the dashboard's and the alert's queries;
+  refuses the operator's writes: DisaggOperatorReconcileErrors fires, and the operator's API error series, which it
+  creates at their first error, answer the dashboard's queries;
 - the freeze lifted, the decode engine goes and a request held for a pair fires DisaggNoPairs; the decode back, the
   request is served and the alert resolves;
 - the plain scrape configuration docs/operating/metrics.md gives users without the Prometheus Operator, with the
@@ -57,8 +57,9 @@ AUTOSCALING = {
     "prefill": {"minReplicas": 1, "maxReplicas": 2, "inputTokensPerSecond": 20000},
     "decode": {"minReplicas": 1, "maxReplicas": 2, "outputTokensPerSecond": 3000},
 }
-FAULT_ONLY = {'disagg_operator_reconciles_total{result="error"}', "disagg_operator_api_errors_total"}
-"""Selectors of counters the operator creates at its first error: a healthy operator has no such series."""
+FAULT_ONLY = {"disagg_operator_api_errors_total"}
+"""Selectors of counters the operator creates at its first error (one series per kind and verb): a healthy operator
+has no such series. Its reconcile errors, which the alert reads, are exported at 0 from the start."""
 SELECTOR = re.compile(r"(?<![\w:])(disagg_[a-z_]+|vllm:[a-z_]+)(\{[^}]*\})?")
 COMPARISON = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.]+\s*$")
 

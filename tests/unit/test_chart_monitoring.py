@@ -109,7 +109,8 @@ def test_prometheus_loads_the_rules(everything, tmp_path):
 
 def test_an_alert_fires_on_its_fault_and_only_after_its_for(everything, tmp_path):
     """promtool's rule tests, on series shaped as the product exports them: TransportVerified False fires after
-    its 2 minutes and not before; a router holding requests for a pair fires; nothing fires while all is well."""
+    its 2 minutes and not before; a router holding requests for a pair fires; failing reconcile passes fire after
+    their `for`, counted from the first failure; nothing fires while all is well."""
     groups = everything["PrometheusRule"]["spec"]["groups"]
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
     rules = {r["alert"]: r for g in groups for r in g["rules"]}
@@ -142,7 +143,19 @@ def test_an_alert_fires_on_its_fault_and_only_after_its_for(everything, tmp_path
         {"interval": "1m",
          "input_series": [{"series": condition, "values": "0x15"}, {"series": waiting, "values": "0x15"}],
          "alert_rule_test": [{"eval_time": "10m", "alertname": name, "exp_alerts": []}
-                             for name in ("DisaggTransportNotVerified", "DisaggNoPairs")]}]}
+                             for name in ("DisaggTransportNotVerified", "DisaggNoPairs")]},
+        # The operator exports its error count at 0 from the start, so the first failure already counts: passes
+        # failing from minute 5 fire after the for (10m in these values), not before.
+        {"interval": "1m",
+         "input_series": [{"series": "disagg_operator_reconcile_errors_total", "values": "0x4 1+1x20"}],
+         "alert_rule_test": [
+             {"eval_time": "14m", "alertname": "DisaggOperatorReconcileErrors", "exp_alerts": []},
+             {"eval_time": "15m", "alertname": "DisaggOperatorReconcileErrors", "exp_alerts": [
+                 {"exp_labels": {"severity": "critical"},
+                  "exp_annotations": annotations("DisaggOperatorReconcileErrors")}]}]},
+        {"interval": "1m",
+         "input_series": [{"series": "disagg_operator_reconcile_errors_total", "values": "0x25"}],
+         "alert_rule_test": [{"eval_time": "25m", "alertname": "DisaggOperatorReconcileErrors", "exp_alerts": []}]}]}
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests))
     out = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
