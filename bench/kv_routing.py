@@ -414,7 +414,8 @@ def peer_router(fleet: Fleet, name: str, args: argparse.Namespace) -> Router:
 
 async def ready(session: aiohttp.ClientSession, fleet: Fleet, r: Router, timeout: float = 120) -> None:
     """Until the router answers /health and, for ours, sees every engine up and (prefix arms) is subscribed to
-    every engine's KV events."""
+    every engine's KV events and has caught up on what each published before (its replay): that start-up work is
+    not the segment's, whose CPU per request is the router's steady state."""
     r.proc.wait_http(r.url + "/health", timeout=timeout)
     if r.arm == PEER:
         return
@@ -423,8 +424,9 @@ async def ready(session: aiohttp.ClientSession, fleet: Fleet, r: Router, timeout
     while True:
         text = await get_text(session, r.url + "/metrics")
         up = all(gauge(text, "disagg_router_engines", role=role, state="up") == k for role, k in n.items())
-        subscribed = r.arm not in PREFIX_ARMS or all(gauge(text, "disagg_router_kv_engines", role=role) == k
-                                                     for role, k in n.items())
+        subscribed = r.arm not in PREFIX_ARMS or (
+            all(gauge(text, "disagg_router_kv_engines", role=role) == k for role, k in n.items())
+            and gauge(text, "disagg_router_kv_engines_catching_up") == 0)
         if up and subscribed:
             break
         if time.monotonic() > deadline:
@@ -577,6 +579,7 @@ async def warm(session: aiohttp.ClientSession, r: Router, label: str, n: int, ar
 async def run_fleet(fleet: Fleet, arms: list[str], args: argparse.Namespace) -> dict[str, Any]:
     segments: list[dict] = []
     skipped: list[dict] = []
+    startups: list[dict] = []
     routers: dict[str, dict] = {}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -596,6 +599,7 @@ async def run_fleet(fleet: Fleet, arms: list[str], args: argparse.Namespace) -> 
                     router = peer_router(fleet, name, args) if arm == PEER else our_router(fleet, arm, name, args)
                     await ready(session, fleet, router)
                     routers.setdefault(arm, router.info)
+                    startups.append(await startup(session, router, rnd))
                     await warm(session, router, name, 2, args)
                     await fleet.idle(session)
                     for wl in args.workloads:
@@ -609,7 +613,17 @@ async def run_fleet(fleet: Fleet, arms: list[str], args: argparse.Namespace) -> 
                     if router is not None:
                         router.stop()
     return {"engines": {"prefill": len(fleet.role("prefill")), "decode": len(fleet.role("decode"))},
-            "routers": routers, "skipped": skipped, "segments": segments}
+            "routers": routers, "skipped": skipped, "startups": startups, "segments": segments}
+
+
+async def startup(session: aiohttp.ClientSession, router: Router, rnd: int) -> dict[str, Any]:
+    """What a router cost from its start to ready (`ready`): its CPU, and for prefix arms the KV events it applied
+    catching up on the engines' replays."""
+    out: dict[str, Any] = {"arm": router.arm, "round": rnd, "cpu_s": round(cpu_seconds(router.pids()), 3)}
+    if router.arm in PREFIX_ARMS:
+        text = await get_text(session, router.url + "/metrics")
+        out["events_applied"] = gauge(text, "disagg_router_kv_events_applied_total")
+    return out
 
 
 # -- the headline ---------------------------------------------------------------------------------------------------
@@ -752,8 +766,9 @@ def combine(paths: list[Path], boot: int) -> dict[str, Any]:
     for i, run in enumerate(runs):
         for fname, f in run["fleets"].items():
             into = fleets.setdefault(fname, {"engines": f["engines"], "routers": f["routers"], "skipped": [],
-                                             "segments": []})
+                                             "startups": [], "segments": []})
             into["skipped"] += [{**s, "run": i} for s in f["skipped"]]
+            into["startups"] += [{**s, "run": i} for s in f.get("startups", [])]
             into["segments"] += [{**s, "run": i} for s in f["segments"]]
     first = runs[0]
     return {"benchmark": "kv_routing", "issue": 36, "when": max(r["when"] for r in runs), "commit": first["commit"],
@@ -771,7 +786,10 @@ DEFINITIONS = {
                 "computed the prompt and decode_only from our router's access log, null for the peer; for a "
                 "request decode served alone, whose streamed answer's report the router does not log, the cached "
                 "tokens in the answer's own usage, which that decode engine wrote)",
-    "segment": "one arm on one workload in one round, through a router started for the arm",
+    "segment": "one arm on one workload in one round, through a router started for the arm, measured once it is "
+               "ready (prefix arms: subscribed to every engine and caught up on their replays)",
+    "startups": "per router started for an arm: its CPU from start to ready, and (prefix arms) the KV events it "
+                "applied catching up on the engines' replays; not in any segment's CPU per request",
     "valid": "a prefix arm's segment counts only when its router applied KV events (issue 36)",
     "ttft ratios": "TTFT quantile of one arm's answered requests over another's on the same workload and fleet, "
                    "pooled over rounds (and runs), with a bootstrap 90% interval over requests",

@@ -1,7 +1,10 @@
 """Feed the router's KV index (kv_index.py) from each engine's KV event stream: a ZMQ SUB socket on the engine's
 PUB endpoint and, to fill gaps, requests to its replay endpoint (connector/wire/kv_events.py has the framing).
 
-Per engine (`EngineSubscription`), frames from the live stream apply in order (`KvIndex.apply`):
+Per engine (`EngineSubscription`), first a catch-up: once its SUB socket is connected, it asks the replay socket
+for every batch from seq 0 and applies what the engine still has (`synced` once done), so the index knows what the
+engine held before the router started, and a router's start-up costs it no CPU in its first requests. Then frames
+from the live stream apply in order (`KvIndex.apply`; those the catch-up already applied are duplicates):
 - a gap (a seq later than expected: frames dropped at a high-water mark, or a subscriber that joined late, since
   vLLM has no initial sync) asks the replay socket for every batch from the expected seq on, applies them, then
   the live batch. If the replay cannot fill it (its buffer starts past the expected seq, it answers nothing within
@@ -64,6 +67,8 @@ class EngineSubscription:
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
         self._sub.connect(endpoint)
         self._last_live: int | None = None
+        self.synced = False
+        """The catch-up is done: the index holds what the engine's replay buffer had when the subscription began."""
         self._changed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
 
@@ -84,6 +89,14 @@ class EngineSubscription:
             await self._changed.wait_for(predicate)
 
     async def _run(self) -> None:
+        try:
+            await self._catch_up()
+        except Exception:  # as for a live frame: forget what may now be wrong, and follow the live stream
+            log.exception("engine %s: catching up on its KV events failed; resetting its index", self.engine_id)
+            self.index.reset(self.engine_id)
+        self.synced = True
+        async with self._changed:
+            self._changed.notify_all()
         while True:
             frames = await self._sub.recv_multipart()
             try:
@@ -116,6 +129,22 @@ class EngineSubscription:
         batch = self._decode(seq, payload)
         if batch is not None and self.index.apply(self.engine_id, seq, batch) is Outcome.GAP:
             await self._fill(seq, batch)
+
+    async def _catch_up(self) -> None:
+        """Apply what the replay still has from the seq the index expects (0 for an engine just added). If its buffer
+        no longer starts there, the engine's index is reset first and holds a subset (kv_index.py)."""
+        start = self.index.expected_seq(self.engine_id)
+        if start is None:
+            return
+        first = True
+        async with contextlib.aclosing(self._replay(start)) as replay:
+            async for seq, payload in replay:
+                if first and seq != start:
+                    self.index.reset(self.engine_id)
+                first = False
+                batch = self._decode(seq, payload)
+                if batch is not None:
+                    self._apply_or_reset(seq, batch)
 
     def _decode(self, seq: int, payload: bytes) -> wire.KVEventBatch | None:
         """The batch, or None after resetting past it when it does not decode."""

@@ -173,6 +173,10 @@ class KvFollower:
                 _add(total, sub.counters)
         return total
 
+    def catching_up(self) -> int:
+        """Subscriptions whose catch-up on what their engine published before (kv_events_client.py) is not done."""
+        return sum(1 for key in self.subscribed if (sub := self.subscription(key)) is not None and not sub.synced)
+
     def by_role(self) -> tuple[Counter[str], Counter[str]]:
         """(streams subscribed, blocks held) per engine role."""
         engines: Counter[str] = Counter()

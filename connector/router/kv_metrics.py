@@ -58,6 +58,8 @@ class KvMetrics(Collector):
             engines.add_metric([role], engines_by_role[role])
             blocks.add_metric([role], blocks_by_role[role])
         out += [changes, engines, blocks,
+                GaugeMetricFamily("disagg_router_kv_engines_catching_up", "Engine event streams still replaying "
+                                  "what their engine published before they were subscribed", value=f.catching_up()),
                 GaugeMetricFamily("disagg_router_kv_engines_unindexed", "Engine event streams advertised but not "
                                   "indexed: the index is at --kv-index-max-engines", value=len(f.unindexed)),
                 GaugeMetricFamily("disagg_router_kv_index_bound_bytes", "The most the index's blocks may cost: "

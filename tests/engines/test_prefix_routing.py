@@ -7,7 +7,7 @@ renders them (`--kv-events-config`, `--enable-prompt-tokens-details`) and a `--p
   tokenizer, a missing template field) would predict 0.
 - Decode alone: a prompt decode holds enough of skips prefill, and gives the P/D path's greedy tokens; no prefill
   engine sees it, and decode reports the prompt cached.
-- The index follows the engines: a router started after them fills what it missed from each engine's replay,
+- The index follows the engines: a router started after them knows what they hold from each engine's replay,
   blocks an engine evicts leave the index (predicted = reported again after eviction), a cleared prefix cache
   (vLLM's AllBlocksCleared) empties it, and an engine restarted leaves it with its blocks.
 Each result counts only with KV events applied, which the router's metrics show."""
@@ -156,13 +156,31 @@ def test_a_prompt_decode_holds_skips_prefill_and_gives_the_p_d_paths_tokens(pref
     assert metric(url, "disagg_router_decode_only_total") == 1
 
 
-def test_a_router_started_after_its_engines_filled_what_it_missed_from_their_replays(prefix_pair):
-    """The engines published their warm-up requests' blocks before the router subscribed: its first frame from each
-    showed a gap, which the engine's replay filled, with nothing reset."""
+def test_a_router_started_after_its_engines_knows_what_they_hold_from_their_replays(prefix_pair):
+    """A second router, started once the engines have served a prompt, catches up on each engine's replay as it
+    subscribes: it holds the prompt's blocks before any live event reaches it, with nothing reset."""
     url = prefix_pair.router.url
-    assert metric(url, "disagg_router_kv_replays_total", outcome="filled") >= 2
-    assert metric(url, "disagg_router_kv_replays_total", outcome="unfilled") == 0
-    assert metric(url, "disagg_router_kv_resets_total") == 0
+    prompt = text(3 * BLOCK + 20)
+    stored = metric(url, "disagg_router_kv_blocks_stored_total")
+    status, resp = post(url + "/v1/completions", completion(prompt))
+    assert status == 200, resp
+    await_indexed(url, stored, 2 * 3)  # both engines hold its 3 full blocks
+
+    late = prefix_pair.start_router("prefix-late-router", "push").url
+
+    def caught_up() -> bool:
+        return all(metric(late, "disagg_router_kv_engines", role=r) == 1 for r in ("prefill", "decode")) and \
+            metric(late, "disagg_router_kv_engines_catching_up") == 0
+
+    assert polled(caught_up, 30), "the late router did not subscribe to both engines and catch up"
+    assert metric(late, "disagg_router_kv_frames_total") == 0  # nothing live yet: all of it from the replays
+    assert min(metric(late, "disagg_router_kv_blocks", role=r) for r in ("prefill", "decode")) >= 3
+    assert metric(late, "disagg_router_kv_resets_total") == 0
+    # Its prediction for the prompt is what the engine then reports cached.
+    status, again = post(late + "/v1/completions", completion(prompt))
+    assert status == 200, again
+    record = last_record(prefix_pair)
+    assert record["prefix"]["predicted"]["prefill"] == 3 * BLOCK == record["prefix"]["actual"]
 
 
 def test_blocks_an_engine_evicts_leave_the_index(prefix_pair):

@@ -46,6 +46,14 @@ async def test_a_prefix_aware_router_indexes_what_its_engines_served_and_drops_a
         async with serving(router.app()) as url, aiohttp.ClientSession() as s:
             await kv.sync()
             assert set(index.engines()) == {prefill.engine_id, decode.engine_id}
+            for e in engines:  # each subscription first catches up on what its engine published before
+                sub = kv.subscription(e.engine_id)
+                assert sub is not None
+                async with asyncio.timeout(WAIT):
+                    await sub.wait_for(lambda sub=sub: sub.synced)
+            # What was stored before the router subscribed, known from each engine's replay before any new event.
+            assert [index.matched_tokens(e.engine_id, EARLY) for e in engines] == [2 * BS, 2 * BS]
+            assert kv.counters().frames == 0 and kv.catching_up() == 0
 
             async def both_hold() -> None:
                 for e in engines:
@@ -54,8 +62,8 @@ async def test_a_prefix_aware_router_indexes_what_its_engines_served_and_drops_a
                     await sub.wait_for(lambda e=e: index.matched_tokens(e.engine_id, PROMPT) > 0)
 
             # A SUB joins a PUB unannounced: events published before it did are lost until a later frame shows the
-            # gap, which the replay then fills (the early request's, here). So one request, and another only if
-            # none of the first one's frames came through.
+            # gap, which the replay then fills. So one request, and another only if none of the first one's frames
+            # came through.
             served = []
             async with asyncio.timeout(WAIT):
                 while True:
@@ -72,7 +80,6 @@ async def test_a_prefix_aware_router_indexes_what_its_engines_served_and_drops_a
             assert index.matched_tokens(prefill.engine_id, PROMPT) == 6 * BS
             assert index.matched_tokens(decode.engine_id, PROMPT) == 6 * BS
             assert index.matched_tokens(prefill.engine_id, [0, *PROMPT]) == 0
-            # What was stored before the router subscribed came from each engine's replay.
             assert [index.matched_tokens(e.engine_id, EARLY) for e in engines] == [2 * BS, 2 * BS]
 
             m = await scrape(s, url)
@@ -83,8 +90,10 @@ async def test_a_prefix_aware_router_indexes_what_its_engines_served_and_drops_a
             assert m[("disagg_router_kv_engines", (("role", "decode"),))] == 1
             assert m[("disagg_router_kv_index_bound_bytes", ())] == index.index_bound_bytes
             assert m[("disagg_router_kv_resets_total", ())] == 0
-            assert m[("disagg_router_kv_gaps_total", ())] == 2  # one late join per engine
-            assert m[("disagg_router_kv_replays_total", (("outcome", "filled"),))] == 2
+            assert m[("disagg_router_kv_engines_catching_up", ())] == 0
+            # Frames lost while a SUB joined are gaps, and the replay fills every one.
+            assert m[("disagg_router_kv_replays_total", (("outcome", "filled"),))] == \
+                m[("disagg_router_kv_gaps_total", ())]
             assert m[("disagg_router_kv_replays_total", (("outcome", "unfilled"),))] == 0
 
             engines.remove(decode)  # the decode leaves the rendezvous
