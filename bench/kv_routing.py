@@ -9,6 +9,10 @@ fitted to it, KV events in vLLM's ZMQ format) advertised to a `disagg rendezvous
   pull   `--kv-mode pull` emulators behind `disagg router --mode pull`, and behind vllm-router (PyPI `vllm-router`,
          Rust, `--vllm-pd-disaggregation --kv-connector nixl`), which has no push mode: the peer is compared here
 
+`--engines real` runs each fleet on one real vLLM prefill and one decode engine instead (`RealFleet`: the kv64k model
+the profile is fitted to, the plugin, KV events), under the engines lock: the smallest real case, where each role
+has one engine, so the arms differ only in decode alone, the router's own cost and its predictions.
+
 Arms (`--arms`), each a router started for the arm and stopped after it, so its CPU, index and access log are the
 arm's alone: `least-loaded` (`--policy least-loaded`); `prefix-aware` (`--policy prefix-aware --decode-only-share 2`:
 never decode alone); `prefix-aware-decode-only` (`--policy prefix-aware`, the default share 0.9: a request whose
@@ -90,9 +94,10 @@ from pd_client import ALPHABET, percentile_ratio_ci, quantile, sse_events
 from pd_serving import VLLM_ROUTER_VERSION, vllm_router_python
 from router_stubs import cpu_seconds
 
+from disagg.devcluster import tinymodel, vllm_env
 from disagg.devcluster.cluster import free_port
 from disagg.devcluster.emulated_engines import EmulatorSpec, LocalEmulator
-from disagg.devcluster.engines import LocalRendezvous
+from disagg.devcluster.engines import EngineSpec, LocalEngine, LocalRendezvous, install_plugin
 from disagg.devcluster.procs import ChildFailed, DisaggService, HttpChild, process_group, thread_cpu_seconds
 
 HERE = Path(__file__).resolve().parent
@@ -313,26 +318,34 @@ async def get_text(session: aiohttp.ClientSession, url: str) -> str:
 class Fleet:
     """A rendezvous and `prefill` + `decode` emulators of one KV mode advertised to it."""
 
+    kind = "emulated"
+    engines: list[LocalEmulator] | list[LocalEngine]
+
     def __init__(self, mode: str, prefill: int, decode: int, time_scale: float, logs: Path) -> None:
+        env = self._start_rendezvous(mode, logs)
+        flags = ["--time-scale", f"{time_scale:g}", "--log-level", "WARNING"]
+        emulators = [LocalEmulator(EmulatorSpec(f"{mode}-{role}-{i}", role, mode, rendezvous_env=env,
+                                                flags=flags), self.logs)
+                     for role, n in (("prefill", prefill), ("decode", decode)) for i in range(n)]
+        self.engines = emulators
+        for e in emulators:
+            e.start()
+            assert e.service is not None
+            _children.append(e.service)
+        for e in emulators:
+            e.wait_ready(60)
+
+    def _start_rendezvous(self, mode: str, logs: Path) -> dict[str, str]:
+        """Start the fleet's rendezvous; what points an engine at it."""
         self.mode, self.logs = mode, logs / mode
         self.logs.mkdir(parents=True, exist_ok=True)
         self.rendezvous = DisaggService(f"{mode}-rendezvous", [*MEET.args(), "--log-level", "WARNING"], self.logs)
         _children.append(self.rendezvous)
         self.rendezvous.start()
         self.rendezvous.wait_http(self.rendezvous.url + "/health")
-        env = MEET.engine_env(self.rendezvous.url)
-        flags = ["--time-scale", f"{time_scale:g}", "--log-level", "WARNING"]
-        self.engines = [LocalEmulator(EmulatorSpec(f"{mode}-{role}-{i}", role, mode, rendezvous_env=env,
-                                                   flags=flags), self.logs)
-                        for role, n in (("prefill", prefill), ("decode", decode)) for i in range(n)]
-        for e in self.engines:
-            e.start()
-            assert e.service is not None
-            _children.append(e.service)
-        for e in self.engines:
-            e.wait_ready(60)
+        return MEET.engine_env(self.rendezvous.url)
 
-    def role(self, role: str) -> list[LocalEmulator]:
+    def role(self, role: str) -> list[LocalEmulator] | list[LocalEngine]:
         return [e for e in self.engines if e.spec.role == role]
 
     async def counters(self, session: aiohttp.ClientSession) -> dict[str, dict[str, float]]:
@@ -360,6 +373,34 @@ class Fleet:
         for e in self.engines:
             e.stop(5)
         self.rendezvous.stop(5)
+
+
+class RealFleet(Fleet):
+    """A rendezvous and one real vLLM prefill and one decode engine of one KV mode: the kv64k model (the emulator
+    profile's engine: 128 blocks of 128 tokens in 1 GiB), the connector plugin, KV events and cached-token reports
+    on, as the operator renders them; prefill on core 0, decode on core 1. The smallest real case of a fleet: this
+    bed runs two engines on its two cores, so each role has one engine and no arm has a choice of engine; what
+    differs between arms is decode alone, the router's own cost, and its predictions against real engines."""
+
+    kind = "real"
+
+    def __init__(self, mode: str, logs: Path) -> None:  # not Fleet.__init__: that starts emulators
+        env = self._start_rendezvous(mode, logs)
+        python = vllm_env.ensure(quiet=True)
+        model = tinymodel.ensure_model(python, "kv64k")
+        plugin = install_plugin(self.logs / "plugin")
+        engines = [LocalEngine(EngineSpec(f"{mode}-{role}-0", role, model, core=core, mode=mode, plugin_dir=plugin,
+                                          kv_events=True, extra_env=env), python, self.logs)
+                   for role, core in (("prefill", 0), ("decode", 1))]
+        self.engines = engines
+        try:
+            for e in engines:
+                e.start()
+            for e in engines:
+                e.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
 
 
 @dataclass
@@ -814,6 +855,9 @@ def main() -> None:
     p.add_argument("--fleets", default="push,pull", help="push, pull or both (the peer runs on pull only)")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--engines", choices=("emulated", "real"), default="emulated",
+                   help="real: one real vLLM prefill and one decode engine per fleet (RealFleet; --prefill, "
+                        "--decode and --time-scale do not apply); run it under the engines lock")
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=8)
     p.add_argument("--time-scale", type=float, default=0.05, help="the emulators' --time-scale")
@@ -871,7 +915,8 @@ def main() -> None:
         for mode in args.fleets.split(","):
             fleet_arms = [a for a in arms if a != PEER or mode == "pull"]
             log(f"{mode} fleet: {args.prefill}+{args.decode} emulators, arms {fleet_arms}")
-            fleet = Fleet(mode, args.prefill, args.decode, args.time_scale, logs)
+            fleet = RealFleet(mode, logs) if args.engines == "real" else \
+                Fleet(mode, args.prefill, args.decode, args.time_scale, logs)
             try:
                 fleets[mode] = asyncio.run(run_fleet(fleet, fleet_arms, args))
             finally:
@@ -884,10 +929,14 @@ def main() -> None:
     for g in head["goals"]:
         log(f"  {g['fleet']:<4} {g['workload']:<12} {g['measure']}: {g['value']} {g['ci90'] or ''} "
             f"(goal {g['op']} {g['threshold']}: {'met' if g['met'] else 'NOT met' if g['met'] is False else '-'})")
-    cfg = {k: getattr(args, k) for k in ("fleets", "workloads", "prefill", "decode", "time_scale", "rate", "seconds",
+    cfg = {k: getattr(args, k) for k in ("fleets", "engines", "workloads", "prefill", "decode", "time_scale", "rate",
+                                         "seconds",
                                          "rounds", "max_tokens", "prefix_flags", "peer_flags", "timeout", "seed",
                                          "boot", "quick")}
-    cfg |= {"arms": arms, "shape": vars(args.shape), "profile": "cpu-kv64k", "logs": str(logs),
+    if args.engines == "real":
+        cfg |= {"prefill": 1, "decode": 1, "time_scale": None}
+    cfg |= {"arms": arms, "shape": vars(args.shape), "profile": "cpu-kv64k" if args.engines == "emulated" else
+            "real vLLM engines, the kv64k model", "logs": str(logs),
             "caches": "engines not restarted; every prompt led by a tag of its arm, round and workload",
             "vllm_router": VLLM_ROUTER_VERSION}
     result = {"benchmark": "kv_routing", "issue": 36, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **made,
