@@ -165,8 +165,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return text[start:start + tokens]
 
     logs = Path(tempfile.mkdtemp(prefix="tokenize-cost-"))
-    engine = LocalEngine(EngineSpec("tokenize", None, model, core=0, max_model_len=max(sizes) * 2 + 64), python,
-                         logs).start()
+    engine = LocalEngine(EngineSpec("tokenize", None, model, core=0), python, logs).start()
     tiny, qwen = Local(python, model), Local(python, qwen3)
     # Qwen3's cut: encode the source once (in the child), then each prompt is a run of `tokens` ids decoded back;
     # asking the child keeps this process free of the tokenizers library.
@@ -244,7 +243,8 @@ def _qwen_text(qwen: Local, ids: list[int], tokens: int, where: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default="512,2048,8192", help="prompt tokens, comma-separated")
+    p.add_argument("--sizes", default="512,2048,6144",
+                   help="prompt tokens, comma-separated (the engine model's context is 8,192)")
     p.add_argument("--requests", type=int, default=100, help="per size, kind, arm and round")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)

@@ -64,10 +64,18 @@ def _condition(obj: Any, ctype: str) -> dict[str, Any] | None:
     return next((c for c in conditions if c["type"] == ctype), None)
 
 
+DEGRADED_GRACE = 30.0
+"""Seconds a Degraded condition may hold before waiting for Ready gives up on it. The kubelet retries what it
+reports: a FailedMount can be the node authorizer's graph not yet knowing the new pod's PersistentVolumeClaim
+(`no relationship found between node ... and this object`), gone at the next try."""
+
+
 def follow_ready(client: Client, name: str, timeout: float) -> None:
-    """Print each change of the CR's Ready condition and of its pods' phases until Ready (or fail naming why)."""
+    """Print each change of the CR's Ready condition and of its pods' phases until Ready (or fail naming why: not
+    Ready in `timeout`, or Degraded for DEGRADED_GRACE seconds without a break)."""
     deadline = time.monotonic() + timeout
     seen: set[str] = set()
+    degraded_since: float | None = None
     while time.monotonic() < deadline:
         dinf = client.get(Dinf, name, namespace=NAMESPACE)
         for pod in client.list(Pod, namespace=NAMESPACE, labels={names.LABEL_INSTANCE: name}):
@@ -89,7 +97,15 @@ def follow_ready(client: Client, name: str, timeout: float) -> None:
                 return
         degraded = _condition(dinf, "Degraded")
         if degraded is not None and degraded["status"] == "True":
-            raise DemoFailed(f"{name} is Degraded ({degraded.get('reason')}): {degraded.get('message')}")
+            line = f"Degraded ({degraded.get('reason')}): {degraded.get('message')}"
+            if line not in seen:
+                seen.add(line)
+                _note(f"{name}: {line}")
+            degraded_since = degraded_since if degraded_since is not None else time.monotonic()
+            if time.monotonic() - degraded_since >= DEGRADED_GRACE:
+                raise DemoFailed(f"{name} is {line}")
+        else:
+            degraded_since = None
         time.sleep(1)  # progress printing: a watch would need a second loop for pods
     raise DemoFailed(f"{name} not Ready within {timeout:.0f}s; `kubectl -n {NAMESPACE} describe pods`")
 
