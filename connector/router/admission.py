@@ -177,7 +177,7 @@ class Admission:
             self.admitted += 1
         if pair is None:
             return None
-        return Legs(self, *pair, prefill_tokens=None if prefer is None else prefer.uncached(pair[0]))
+        return Legs(self, *pair, prefill_tokens=None if prefer is None else prefer.uncached(pair[0].engine_id))
 
     async def _wait(self, exclude: AbstractSet[str], holding: bool, prefer: Preference | None) -> Grant:
         loop = asyncio.get_running_loop()

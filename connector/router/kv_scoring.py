@@ -22,12 +22,6 @@ skips prefill: decode computes the rest itself, and nothing crosses the wire. Ab
 Predictions come from the router's index (kv_index.py), which errs by missing blocks, never by inventing them: a
 prediction can only undercount, so a wrong one costs a miss, never a wrong token (each engine computes whatever it
 does not hold).
-
-Sent, not yet stored. An engine's events report a prompt's blocks only once it has computed them. Until then the
-index would send the next request for the same prompt elsewhere, which computes it again. So the cost also credits
-the blocks the router itself sent an engine lately (`pending`); this may overcount (a wrong guess costs a miss,
-never a wrong token), so it weighs in the cost only: whether decode computes alone, and the prediction that is
-logged and compared with what the engine reports, come from the index alone.
 """
 from __future__ import annotations
 
@@ -59,18 +53,16 @@ class Weights:
 class Preference:
     """One request's predicted cached tokens per engine, each looked up once, and what they weigh.
 
-    `cached(engine_id)` is the index's prediction (tokens of the longest contiguous prefix held, in whole blocks);
-    `expected(engine)` adds what the router sent the engine and its events have not yet reported (`pending`).
-    Invariants: 0 <= `uncached` <= prompt tokens; `cached` <= `expected` <= prompt tokens; `cost` is at most the
-    engine's legs in flight plus the role's weight; with a prompt of no tokens it is the legs in flight alone."""
+    `cached(engine_id)` is the index's prediction (tokens of the longest contiguous prefix held, in whole blocks).
+    Invariants: 0 <= `uncached` <= prompt tokens; `cost` is at most the engine's legs in flight plus the role's
+    weight; with a prompt of no tokens it is the legs in flight alone."""
 
     def __init__(self, prompt_tokens: int, cached: Callable[[str], int], weights: Weights,
-                 prompt: object = None, pending: Callable[[EngineAdvertisement], int] | None = None) -> None:
+                 prompt: object = None) -> None:
         """`prompt`: the caller's handle on the prompt (its block keys), kept for it, opaque here."""
         self.prompt_tokens, self.weights, self.prompt = prompt_tokens, weights, prompt
-        self._lookup, self._pending = cached, pending
+        self._lookup = cached
         self._cached: dict[str, int] = {}
-        self._expected: dict[str, int] = {}
 
     def cached(self, engine_id: str) -> int:
         if (n := self._cached.get(engine_id)) is None:
@@ -80,31 +72,20 @@ class Preference:
     def share(self, engine_id: str) -> float:
         return self.cached(engine_id) / self.prompt_tokens if self.prompt_tokens > 0 else 0.0
 
-    def expected(self, engine: EngineAdvertisement) -> int:
-        """Tokens the engine will hold when this request reaches it: the index's, or what the router sent it lately
-        (`pending`), whichever is more."""
-        if (n := self._expected.get(engine.engine_id)) is None:
-            n = self.cached(engine.engine_id)
-            if self._pending is not None and n < self.prompt_tokens:
-                n = max(n, min(self._pending(engine), self.prompt_tokens))
-            self._expected[engine.engine_id] = n
-        return n
-
-    def uncached(self, engine: EngineAdvertisement) -> int:
-        """Prompt tokens the engine is expected to compute itself."""
-        return self.prompt_tokens - self.expected(engine)
+    def uncached(self, engine_id: str) -> int:
+        """Prompt tokens the engine would compute itself."""
+        return self.prompt_tokens - self.cached(engine_id)
 
     def cost(self, engine: EngineAdvertisement, load: int, queued: tuple[int, int] = (0, 0)) -> float:
         """`load`: the engine's legs in flight; `queued`: how many of them carry their uncached prompt tokens, and
         those tokens (prefill legs routed by the index)."""
         if self.prompt_tokens <= 0:
             return float(load)
-        miss = 1.0 - self.expected(engine) / self.prompt_tokens
         if engine.role != "prefill":
-            return load + self.weights.decode * miss
+            return load + self.weights.decode * (1.0 - self.share(engine.engine_id))
         legs, tokens = queued
         ahead = (load - legs) + tokens / self.prompt_tokens
-        return ahead + self.weights.prefill * miss
+        return ahead + self.weights.prefill * (1.0 - self.share(engine.engine_id))
 
     def decode_only(self, decode_id: str) -> bool:
         """Whether decode already holds enough of the prompt to compute the rest alone."""

@@ -2,9 +2,6 @@
 `Preference` (kv_scoring.py) over the router's KV index (kv_index.py), or, for an engine whose events the index
 does not follow, over what the router sent it lately (kv_recent.py), and the metrics of all that.
 
-The index learns a prompt's blocks only when the engine has computed them, so what the router sent an engine the
-index follows also counts, in the cost alone, for `PENDING_TTL` (kv_scoring.py, "Sent, not yet stored").
-
 A request that cannot be tokenized (no single prompt, no engine answering /tokenize in time, an answer that is not
 token ids) gets no preference and is routed least-loaded, as with the policy off: prefix-awareness may make a
 request faster, never fail it.
@@ -30,9 +27,6 @@ from .pd_protocol import Endpoint
 log = logging.getLogger("disagg.router.prefix")
 TOKENIZE_TIMEOUT = 2.0
 """Seconds a request waits for its tokens before it goes least-loaded instead."""
-PENDING_TTL = 10.0
-"""Seconds a prompt the router sent an engine it follows counts as on its way into that engine's cache: longer than
-a prompt waits and is computed on a loaded engine, after which the engine's events report it (or its eviction)."""
 _TOKENIZE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 2)
 
 
@@ -61,7 +55,6 @@ class PrefixRouting:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool, self.index, self.weights, self.clock = pool, index, weights, clock
         self.recent = RecentChoices()
-        self.pending = RecentChoices(ttl=PENDING_TTL)
         self.m = PrefixMetrics(registry)
 
     async def preference(self, session: aiohttp.ClientSession, endpoint: Endpoint, body: dict[str, Any],
@@ -81,12 +74,11 @@ class PrefixRouting:
             return None
         self.m.requests.labels(outcome="preferred").inc()
         self.m.prompt_tokens.inc(len(tokens))
-        return Preference(len(tokens), lambda engine_id: self._held(engine_id, keys), self.weights, prompt=keys,
-                          pending=lambda engine: self._pending(engine, keys))
+        return Preference(len(tokens), lambda engine_id: self._held(engine_id, keys), self.weights, prompt=keys)
 
     def chosen(self, prefer: Preference, prefill: EngineAdvertisement | None, decode: EngineAdvertisement) -> None:
-        """The engines a request went to (`prefill` None: decode alone) remember the prompt (kv_recent.py): as
-        held, for those whose events the index does not follow; as pending, for those it follows."""
+        """The engines a request went to (`prefill` None: decode alone). Those whose events the index does not
+        follow remember the prompt (kv_recent.py)."""
         if prefill is not None:
             self.m.predicted.labels(role="prefill").inc(prefer.cached(prefill.engine_id))
         self.m.predicted.labels(role="decode").inc(prefer.cached(decode.engine_id))
@@ -95,9 +87,8 @@ class PrefixRouting:
         assert isinstance(prefer.prompt, PromptKeys)
         now = self.clock()
         for engine in (prefill, decode):
-            if engine is not None:
-                memory = self.pending if self._indexed(engine.engine_id) else self.recent
-                memory.record(engine.engine_id, engine.block_size, prefer.prompt, now)
+            if engine is not None and not self._indexed(engine.engine_id):
+                self.recent.record(engine.engine_id, engine.block_size, prefer.prompt, now)
 
     def reported(self, predicted: int, actual: int) -> None:
         """What the engine that computed the prompt said it had cached, against what the index predicted."""
@@ -116,13 +107,6 @@ class PrefixRouting:
         # Only engines the index does not follow get here: their block size, from the pool, only then.
         block_size = next((e.block_size for e in self.pool.engines() if e.engine_id == engine_id), None)
         return 0 if block_size is None else self.recent.matched_tokens(engine_id, block_size, keys, self.clock())
-
-    def _pending(self, engine: EngineAdvertisement, keys: PromptKeys) -> int:
-        """What the router sent an engine the index follows, within PENDING_TTL (0 for the others: `_held` already
-        counts what it sent them)."""
-        if not self._indexed(engine.engine_id):
-            return 0
-        return self.pending.matched_tokens(engine.engine_id, engine.block_size, keys, self.clock())
 
     def _ranks(self, engine_id: str) -> list[str]:
         prefix = engine_id + "/dp"
