@@ -561,6 +561,22 @@ def _autoscale_sim(name: str, d: dict[str, Any]) -> Iterator[Row]:
                   h["replica_seconds_vs_static"]["mean"], "x", name, None, None, n)
 
 
+def _tokenize_cost(name: str, d: dict[str, Any]) -> Iterator[Row]:
+    """Where prefix-aware routing tokenizes (issue 36, item 3): a router keeping Qwen3's tokenizer against asking
+    the engine's /tokenize, the router's CPU per request, per prompt size and kind. No goal: the figures choose."""
+    cfg = d.get("config", {})
+    for key, cell in d["cells"].items():
+        r = cell["local-qwen3_over_engine_cpu_p50"]
+        n = f"{cfg.get('requests')} requests per arm and round, {cfg.get('rounds')} rounds; engine " \
+            f"{cell['engine']['cpu_ms']['p50']} ms, Qwen3 {cell['local-qwen3']['cpu_ms']['p50']} ms"
+        yield Row("tokenize_cost", f"{key} tokens: local Qwen3 tokenizer / engine /tokenize, router CPU p50",
+                  r["ratio"], "x", name, _ci(r.get("ci90")), None, n)
+    parity = d.get("parity", {})
+    equal, total = sum(v["equal"] for v in parity.values()), sum(v["of"] for v in parity.values())
+    yield Row("tokenize_cost", "local tokenizer ids equal to the engine's, completions and chat", equal, "", name,
+              None, Goal("==", total, "issue 36"), f"of {total} requests")
+
+
 EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
     "emulator_fit": _emulator_fit, "emulator_calibration": _emulator_calibration,
     "emulator_contention": _emulator_contention,
@@ -569,6 +585,7 @@ EXTRACTORS: dict[str, Callable[[str, dict[str, Any]], Iterator[Row]]] = {
     "operator_scale": _operator_scale, "rollout": _rollout, "capacity": _capacity, "router_stubs": _router_stubs,
     "kv_write": _kv_write, "abort_storm": _abort_storm, "soak": _soak, "overload": _overload,
     "kv_routing": _kv_routing, "autoscale": _autoscale, "autoscale_sim": _autoscale_sim,
+    "tokenize_cost": _tokenize_cost,
 }
 
 
