@@ -8,7 +8,7 @@ import pytest
 import yaml
 from lightkube import codecs
 from lightkube.resources.apps_v1 import Deployment, StatefulSet
-from lightkube.resources.core_v1 import ConfigMap, Event, Node, PersistentVolume, Pod, Service, ServiceAccount
+from lightkube.resources.core_v1 import ConfigMap, Node, PersistentVolume, Pod, Service, ServiceAccount
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 from lightkube.resources.rbac_authorization_v1 import ClusterRoleBinding
 from lightkube.types import PatchType
@@ -17,8 +17,8 @@ from disagg.devcluster import fleet
 from disagg.operator.controller.handlers import CHILD_KINDS as WATCHED_KINDS
 from disagg.operator.names import rendezvous_binding_name
 from disagg.operator.profiles import CPU_ENGINES_LABEL, CPU_ENGINES_TAINT, CPU_ENGINES_VALUE
-from support.dinf import Dinf, cond, create, engine_pod_name, engine_sts, is_ready, revision, small
-from support.kube import watch_list_until, watch_until
+from support.dinf import Dinf, cond, create, engine_pod_name, engine_sts, is_ready, revision, rollout_steps, small
+from support.kube import events_until, watch_list_until, watch_until
 from support.operator import OperatorProcess
 
 pytestmark = pytest.mark.cluster
@@ -224,13 +224,11 @@ def test_the_resync_repairs_the_rendezvous_identity_its_listing_shows_changed(cl
 def test_events_name_what_was_created(cluster, operator, namespace):
     name = create(cluster, namespace, small("events"))
     watch_until(cluster, Dinf, name, is_ready, namespace=namespace, timeout=60)
-    events = [e for e in cluster.client.list(Event, namespace=namespace, fields={"involvedObject.name": name})]
-    created = [e for e in events if e.reason == "Created"]
-    steps = [e for e in events if e.reason == "RolloutStep"]
-    assert created and f"ConfigMap/events-launch-{revision(cluster, namespace, name)}" in \
-        " ".join(e.message for e in created)
     rev = revision(cluster, namespace, name)
-    assert [e.message.split(":")[0] for e in steps] == [f"scale up revision {rev} to 1P1D"]
+    launch = f"ConfigMap/events-launch-{rev}"
+    events_until(cluster, namespace, name, "Created", lambda es: launch in " ".join(e.message for e in es),
+                 what=f"a Created Event naming {launch}")
+    assert rollout_steps(cluster, namespace, name, bool) == [f"scale up revision {rev} to 1P1D"]
 
 
 def test_engine_preflight_failure_becomes_degraded(cluster, operator, namespace):

@@ -20,7 +20,7 @@ from lightkube.types import PatchType
 from disagg.operator import crdgen
 from disagg.operator.names import rendezvous_binding_name
 from support.dinf import Dinf, cond, create, is_ready, revision, small
-from support.kube import token_kubeconfig, watch_list_until, watch_until
+from support.kube import events_until, token_kubeconfig, watch_list_until, watch_until
 from support.operator import OperatorProcess
 from support.tools import ALL_OPTIONS, REPO, can_i, rules_of, template
 
@@ -141,9 +141,8 @@ def test_examples_reconcile_as_the_charts_service_account(cluster, crd_installed
             # (the apiserver's escalation check passes through `bind` on system:auth-delegator).
             binding = cluster.client.get(ClusterRoleBinding, rendezvous_binding_name(namespace, name))
             assert binding.roleRef.name == "system:auth-delegator"
-        created = [e for e in cluster.client.list(Event, namespace=namespace, fields={"involvedObject.name": names[0]})
-                   if e.reason == "Created"]
-        assert created, "the operator posts Events with its own identity"
+        # The operator posts Events with its own identity.
+        events_until(cluster, namespace, names[0], "Created", bool, what="a Created Event")
 
         # A deleted child is noticed and recreated: the path that reads the CR (get) and creates again.
         launch_name = f"{names[0]}-launch-{revision(cluster, namespace, names[0])}"

@@ -12,15 +12,14 @@ import threading
 
 import pytest
 from lightkube.resources.apps_v1 import StatefulSet
-from lightkube.resources.core_v1 import Event
 from lightkube.types import PatchType
 
 from disagg.connector.rendezvous.client import EngineCache, RendezvousClient
 from disagg.operator.rollout import actions
 from disagg.operator.rollout.simulate import compute_all_steps
 from disagg.operator.rollout.state import Observed, RevisionState, RoleState, RolloutPolicy, Target
-from support.dinf import Dinf, cond, create, is_ready, small
-from support.kube import watch_until
+from support.dinf import Dinf, cond, create, ends_with, is_ready, rollout_steps, small
+from support.kube import events_until, watch_until
 from support.operator import OperatorProcess
 
 pytestmark = pytest.mark.cluster
@@ -36,14 +35,6 @@ def operator(cluster, crd_installed, rendezvous, tmp_path_factory):
 
 def complete(d) -> bool:
     return is_ready(d) and (d.status or {}).get("rollout") == "Complete" and len(d.status["revisions"]) == 1
-
-
-def steps_of(cluster, namespace: str, name: str) -> list[str]:
-    """The rollout steps posted as Events on the CR, in the order they were recorded."""
-    events = [e for e in cluster.client.list(Event, namespace=namespace, fields={"involvedObject.name": name})
-              if e.reason == "RolloutStep"]
-    events.sort(key=lambda e: int(e.metadata.resourceVersion))
-    return [e.message.split(":")[0] for e in events]
 
 
 def merged(steps: list[str]) -> list[str]:
@@ -118,7 +109,7 @@ def test_a_layout_change_rolls_4p4d_in_the_planned_steps_and_keeps_four_pairs(cl
     plan = compute_all_steps(Observed(Target(new, "new layout", 4, 4), (start,)), RolloutPolicy(),
                              deletes_withdrawn=True)
     expected = [f"scale up revision {old} to 4P4D"] + [actions.describe(s) for s in plan]
-    taken = steps_of(cluster, namespace, name)
+    taken = rollout_steps(cluster, namespace, name, ends_with(expected[-1]))
     assert merged(taken) == merged(expected), f"\ntaken:    {taken}\nexpected: {expected}"
     assert pairs and min(pairs) >= 4, f"fewer than 4 compatible pairs were advertised during the rollout: {min(pairs)}"
     assert {k for _, k in engines(rendezvous.url, name)} == {done.status["revisions"][0]["layoutKey"]}
@@ -143,8 +134,7 @@ def test_new_engines_that_never_become_ready_block_the_rollout_and_a_rollback_co
     by_name = {r["name"]: r for r in blocked.status["revisions"]}
     assert by_name[old]["prefill"] == by_name[old]["decode"] == {"replicas": 1, "ready": 1, "advertised": 1}, \
         "the old revision serves in full"
-    warnings = [e for e in cluster.client.list(Event, namespace=namespace, fields={"involvedObject.name": name})
-                if e.reason == "RolloutBlocked"]
+    warnings = events_until(cluster, namespace, name, "RolloutBlocked", bool, what="a RolloutBlocked Event")
     assert len(warnings) == 1 and warnings[0].type == "Warning"
 
     # Rolling back is applying the previous spec: the old revision is the target again, the failed one goes.
@@ -153,7 +143,7 @@ def test_new_engines_that_never_become_ready_block_the_rollout_and_a_rollback_co
     back = watch_until(cluster, Dinf, name, complete, namespace=namespace, timeout=90, what="rolled back")
     assert back.status["revision"] == old
     failed = next(r for r in by_name if r != old)
-    steps = steps_of(cluster, namespace, name)
+    steps = rollout_steps(cluster, namespace, name, ends_with(f"retire revision {failed}"))
     assert steps[0] == f"scale up revision {old} to 1P1D"
     assert all(failed in s for s in steps[1:]), f"only the failed revision was touched after the first: {steps}"
     assert steps[-1] == f"retire revision {failed}"

@@ -17,14 +17,14 @@ from lightkube.core.exceptions import ApiError
 from lightkube.generic_resource import create_namespaced_resource
 from lightkube.resources.apps_v1 import StatefulSet
 from lightkube.resources.autoscaling_v2 import HorizontalPodAutoscaler
-from lightkube.resources.core_v1 import Event, Pod
+from lightkube.resources.core_v1 import Pod
 from lightkube.types import PatchType
 
 from disagg.operator.rollout import actions
 from disagg.operator.rollout.simulate import compute_all_steps
 from disagg.operator.rollout.state import Observed, RevisionState, RoleState, RolloutPolicy, Target
-from support.dinf import Dinf, create, engine_sts, is_ready, small
-from support.kube import watch_until
+from support.dinf import Dinf, create, ends_with, engine_sts, is_ready, rollout_steps, small
+from support.kube import events_until, watch_until
 from support.operator import OperatorProcess
 from support.tools import kubectl
 
@@ -60,13 +60,6 @@ def at(prefill: int, decode: int):
             (st["revisions"][0]["prefill"]["advertised"], st["revisions"][0]["decode"]["advertised"]) == (prefill,
                                                                                                          decode)
     return done
-
-
-def steps_of(cluster, namespace: str, name: str) -> list[str]:
-    events = [e for e in cluster.client.list(Event, namespace=namespace, fields={"involvedObject.name": name})
-              if e.reason == "RolloutStep"]
-    events.sort(key=lambda e: int(e.metadata.resourceVersion))
-    return [e.message.split(":")[0] for e in events]
 
 
 def predicted(rev: str, start: tuple[int, int], target: tuple[int, int]) -> list[str]:
@@ -116,7 +109,8 @@ def test_kubectl_scale_moves_a_role_through_the_rollout_and_reapplying_the_manif
     print(f"\nkubectl scale 1 -> 3 decode: Complete (3 engines Ready and advertised) in {time.monotonic() - t0:.1f}s")
     assert scaled.status["decodeReady"] == "3/3" and scaled.status["decode"]["specReplicas"] == 1
     assert engine_sts(cluster, namespace, name, "decode").spec.replicas == 3
-    assert steps_of(cluster, namespace, name) == [f"scale up revision {rev} to 1P1D"] + predicted(rev, (1, 1), (1, 3))
+    expected = [f"scale up revision {rev} to 1P1D"] + predicted(rev, (1, 1), (1, 3))
+    assert rollout_steps(cluster, namespace, name, ends_with(expected[-1])) == expected
     row = next(line for line in kubectl("get", "dinf", "-n", namespace, cluster=cluster).stdout.splitlines()
                if line.startswith(name))
     assert row.split()[2:4] == ["1/1", "3/3"], row
@@ -143,9 +137,8 @@ def test_kubectl_scale_moves_a_role_through_the_rollout_and_reapplying_the_manif
     assert down.status["decode"]["specReplicas"] == 2
     decode = role_of(cluster, namespace, name, "decode")
     assert decode.spec["replicas"] == 2 and decode.metadata.annotations["serving.disagg.io/spec-replicas"] == "2"
-    steps = steps_of(cluster, namespace, name)
+    steps = rollout_steps(cluster, namespace, name, ends_with(f"drain revision {rev} to 1P2D"))
     assert steps[-len(predicted(rev, (1, 3), (1, 2))):] == predicted(rev, (1, 3), (1, 2))
-    assert steps[-1].startswith(f"drain revision {rev} to 1P2D"), steps
 
     # Leaving replicas out of the manifest hands the count to the scalers: nothing is copied.
     kubectl("scale", f"drole/{name}-decode", "--replicas=3", "-n", namespace, cluster=cluster)
@@ -181,9 +174,8 @@ def test_the_hpa_controller_drives_a_role_and_a_client_side_apply_keeps_its_coun
     print(f"\nHPA minReplicas 2: decode Complete at 2 in {time.monotonic() - t0:.1f}s")
     managers = {(f.manager, f.subresource) for f in role_of(cluster, namespace, name, "decode").metadata.managedFields}
     assert ("kube-controller-manager", "scale") in managers, managers
-    rescaled = [e for e in cluster.client.list(Event, namespace=namespace,
-                                               fields={"involvedObject.name": f"{name}-decode"})
-                if e.reason == "SuccessfulRescale"]
+    rescaled = events_until(cluster, namespace, f"{name}-decode", "SuccessfulRescale", bool,
+                            what="the HPA's rescale Event")
     assert rescaled and "New size: 2" in rescaled[0].message
 
     def metric_tried(h) -> bool:

@@ -1,8 +1,12 @@
 """DisaggregatedInference helpers shared by the operator's cluster tests."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lightkube import codecs
 from lightkube.generic_resource import create_namespaced_resource
+
+from .kube import events_until
 
 Dinf = create_namespaced_resource("serving.disagg.io", "v1alpha1", "DisaggregatedInference",
                                   "disaggregatedinferences")
@@ -30,6 +34,20 @@ def small(name: str, **spec) -> dict:
             "prefill": {"tensorParallelSize": 1}, "decode": {"tensorParallelSize": 1}}
     return {"apiVersion": "serving.disagg.io/v1alpha1", "kind": "DisaggregatedInference",
             "metadata": {"name": name}, "spec": {**base, **spec}}
+
+
+def rollout_steps(cluster, namespace: str, name: str, until: Callable[[list[str]], bool], *,
+                  timeout: float = 30) -> list[str]:
+    """The rollout steps posted as RolloutStep Events on the CR (their descriptions, in the order they were
+    recorded), once `until` holds for them: the Event of a step can trail the status its pass wrote."""
+    def steps(events) -> list[str]:
+        return [e.message.split(":")[0] for e in events]
+    return steps(events_until(cluster, namespace, name, "RolloutStep", lambda es: until(steps(es)),
+                              timeout=timeout, what="the rollout's steps"))
+
+
+def ends_with(last: str) -> Callable[[list[str]], bool]:
+    return lambda steps: bool(steps) and steps[-1].startswith(last)
 
 
 def revision(cluster, namespace: str, name: str) -> str:

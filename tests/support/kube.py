@@ -11,7 +11,7 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.core.exceptions import ApiError
 from lightkube.models.authentication_v1 import TokenRequestSpec
 from lightkube.models.meta_v1 import ObjectMeta
-from lightkube.resources.core_v1 import ServiceAccount
+from lightkube.resources.core_v1 import Event, ServiceAccount
 
 T = TypeVar("T")
 
@@ -92,6 +92,52 @@ def watch_list_until(cluster, res: type[T], predicate: Callable[[T], bool], *, n
     """Return the first object of a kind (existing or new) for which `predicate` holds: for objects whose name is
     not known in advance, such as Events."""
     return asyncio.run(_watch_list_until(cluster.kubeconfig, res, predicate, namespace, fields, timeout, what))
+
+
+async def _events_until(kubeconfig: Path, namespace: str, name: str, reason: str,
+                        done: Callable[[list[Event]], bool], timeout: float, what: str) -> list[Event]:
+    client = AsyncClient(KubeConfig.from_file(kubeconfig))
+    fields = {"involvedObject.name": name, "reason": reason}
+    first_rv: dict[str, int] = {}  # an Event's place in the record: its first resourceVersion (a repeat bumps it)
+    latest: dict[str, Event] = {}
+
+    def ordered() -> list[Event]:
+        return sorted(latest.values(), key=lambda e: first_rv[e.metadata.name])
+
+    def record(e: Event) -> None:
+        first_rv.setdefault(e.metadata.name, int(e.metadata.resourceVersion))
+        latest[e.metadata.name] = e
+
+    try:
+        async with asyncio.timeout(timeout):
+            # A list is a complete snapshot; a watch's initial ADDED burst is not ordered, so a predicate on order
+            # could hold on part of it.
+            listing = client.list(Event, namespace=namespace, fields=fields)
+            async for e in listing:
+                record(e)
+            if done(ordered()):
+                return ordered()
+            async for op, e in client.watch(Event, namespace=namespace, fields=fields,
+                                            resource_version=listing.resourceVersion):
+                if op == "DELETED":
+                    continue
+                record(e)
+                if done(ordered()):
+                    return ordered()
+    except TimeoutError:
+        raise TimeoutError(f"{reason} Events on {namespace}/{name}: {what} not reached in {timeout}s; saw: "
+                           f"{[e.message for e in ordered()]}") from None
+    finally:
+        await client.close()
+    raise AssertionError("watch ended")
+
+
+def events_until(cluster, namespace: str, name: str, reason: str, done: Callable[[list[Event]], bool], *,
+                 timeout: float = 30, what: str = "condition") -> list[Event]:
+    """The Events of one reason about the object `name`, in the order they were first recorded, once `done`
+    holds for them. A controller posts an Event apart from its status write, so an Event can trail the status
+    that reports the same change."""
+    return asyncio.run(_events_until(cluster.kubeconfig, namespace, name, reason, done, timeout, what))
 
 
 def _await_service_account(cluster, namespace: str, sa: str, timeout: int = 60) -> None:
