@@ -911,7 +911,8 @@ def main() -> None:
     try:
         for mode in args.fleets.split(","):
             fleet_arms = [a for a in arms if a != PEER or mode == "pull"]
-            log(f"{mode} fleet: {args.prefill}+{args.decode} emulators, arms {fleet_arms}")
+            size = "1+1 real engines" if args.engines == "real" else f"{args.prefill}+{args.decode} emulators"
+            log(f"{mode} fleet: {size}, arms {fleet_arms}")
             fleet = RealFleet(mode, logs) if args.engines == "real" else \
                 Fleet(mode, args.prefill, args.decode, args.time_scale, logs)
             try:

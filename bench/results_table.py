@@ -487,15 +487,17 @@ def _overload(name: str, d: dict[str, Any]) -> Iterator[Row]:
 
 def _kv_routing(name: str, d: dict[str, Any]) -> Iterator[Row]:
     """Prefix-aware routing (issue 36): the goal rows bench/kv_routing.py's headline already lists, per fleet and
-    workload, pooled over rounds and runs; each run's own value beside, when runs were combined."""
+    workload, pooled over rounds and runs; each run's own value beside, when runs were combined. A run on real
+    engines (one prefill, one decode) is labelled as such."""
     per_run = [{(g["fleet"], g["workload"], g["measure"]): g["value"] for g in r.get("goals", [])}
                for r in d.get("runs", [])]
+    bed = "real 1P1D, " if d["config"].get("engines") == "real" else ""
     for g in d["headline"]["goals"]:
         key = (g["fleet"], g["workload"], g["measure"])
         runs = [r.get(key) for r in per_run]
         n = g["n"] + (f"; per run {runs}" if runs else "")
         where = "all workloads" if g["workload"] == "all" else f"{g['workload']} workload"
-        yield Row("kv_routing", f"{g['fleet']} fleet, {where}: {g['measure']}", g["value"], "x", name,
+        yield Row("kv_routing", f"{bed}{g['fleet']} fleet, {where}: {g['measure']}", g["value"], "x", name,
                   _ci(g.get("ci90")), Goal(g["op"], g["threshold"], "issue 36"), n)
 
 

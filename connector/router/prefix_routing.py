@@ -27,6 +27,7 @@ from .pd_protocol import Endpoint
 log = logging.getLogger("disagg.router.prefix")
 TOKENIZE_TIMEOUT = 2.0
 """Seconds a request waits for its tokens before it goes least-loaded instead."""
+_TIMEOUT = aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT)
 _TOKENIZE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 2)
 
 
@@ -117,19 +118,21 @@ class PrefixRouting:
 
     async def _tokenize(self, session: aiohttp.ClientSession, ask: dict[str, Any],
                         request_id: str) -> list[int] | None:
+        body = prompt_tokens.question(ask)
         for engine in self._tokenizers():
             t0 = time.perf_counter()
             try:
-                async with session.post(f"{engine.http_url}/tokenize", json=ask,
-                                        headers={"X-Request-Id": f"tokenize-{request_id}"},
-                                        timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT)) as r:
-                    answer = await r.json(content_type=None) if r.status == 200 else None
-            except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+                async with session.post(f"{engine.http_url}/tokenize", data=body,
+                                        headers={"X-Request-Id": f"tokenize-{request_id}",
+                                                 "Content-Type": "application/json"},
+                                        timeout=_TIMEOUT) as r:
+                    answer = await r.read() if r.status == 200 else None
+            except (TimeoutError, aiohttp.ClientError) as e:
                 log.info("tokenizing on %s failed: %s", engine.engine_id, type(e).__name__)
                 continue
             self.m.tokenize.observe(time.perf_counter() - t0)
             # A 4xx is the request's own fault (the engines will refuse it too): no other engine will do better.
-            return prompt_tokens.token_ids(answer)
+            return None if answer is None else prompt_tokens.token_ids(answer)
         return None
 
     def _tokenizers(self) -> Sequence[EngineAdvertisement]:

@@ -3,9 +3,11 @@ prompt or messages with every field that changes how they become tokens, token i
 request with no single prompt."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from disagg.connector.router.prompt_tokens import token_ids, tokenize_body
+from disagg.connector.router.prompt_tokens import question, token_ids, tokenize_body
 
 
 def test_a_completions_prompt_is_asked_with_the_fields_that_change_its_tokens():
@@ -43,6 +45,12 @@ def test_a_request_with_no_single_prompt_gets_no_question(endpoint, body):
 
 
 def test_only_a_list_of_integers_is_an_answer():
-    assert token_ids({"count": 2, "tokens": [7, 8]}) == [7, 8]
-    for bad in (None, [], {"tokens": "78"}, {"tokens": [7, "8"]}, {"tokens": [True]}, {"error": "x"}):
-        assert token_ids(bad) is None
+    assert token_ids(b'{"count": 2, "max_model_len": 4096, "tokens": [7, 8]}') == [7, 8]
+    for bad in (b"null", b"[]", b'{"tokens": "78"}', b'{"tokens": [7, "8"]}', b'{"tokens": [true]}',
+                b'{"tokens": [7.5]}', b'{"error": "x"}', b'{"tokens": [7', b"<html>", b""):
+        assert token_ids(bad) is None, bad
+
+
+def test_the_question_is_the_json_of_what_to_ask():
+    ask = {"model": "m", "messages": [{"role": "user", "content": "hé \u2028"}], "add_generation_prompt": True}
+    assert json.loads(question(ask)) == ask
