@@ -491,7 +491,7 @@ def _kv_routing(name: str, d: dict[str, Any]) -> Iterator[Row]:
     engines (one prefill, one decode) is labelled as such."""
     per_run = [{(g["fleet"], g["workload"], g["measure"]): g["value"] for g in r.get("goals", [])}
                for r in d.get("runs", [])]
-    bed = "real 1P1D, " if d["config"].get("engines") == "real" else ""
+    bed = "real 1P1D, " if d.get("config", {}).get("engines") == "real" else ""
     for g in d["headline"]["goals"]:
         key = (g["fleet"], g["workload"], g["measure"])
         runs = [r.get(key) for r in per_run]

@@ -75,3 +75,14 @@ def test_the_results_table_reads_the_headlines_goals(kv):
     rows = table.rows({"kv_routing.json": result})
     assert len(rows) == len(result["headline"]["goals"]) > 0
     assert all(r.goal is not None for r in rows)
+
+
+def test_a_real_engine_runs_rows_say_so(kv):
+    table = importlib.import_module("results_table")
+    segs = [segment(kv, a, w, 50.0) for a in ("least-loaded", "prefix-aware") for w in kv.WORKLOADS]
+    head = kv.headline({"push": {"segments": segs}}, boot=20, seed=0)
+    real = table.rows({"kv_routing_real.json": {"benchmark": "kv_routing", "config": {"engines": "real"},
+                                                 "headline": head}})
+    emulated = table.rows({"kv_routing.json": {"benchmark": "kv_routing", "config": {"engines": "emulated"},
+                                                "headline": head}})
+    assert [r.measure for r in real] == [f"real 1P1D, {r.measure}" for r in emulated]
