@@ -98,15 +98,15 @@ async def _events_until(kubeconfig: Path, namespace: str, name: str, reason: str
                         done: Callable[[list[Event]], bool], timeout: float, what: str) -> list[Event]:
     client = AsyncClient(KubeConfig.from_file(kubeconfig))
     fields = {"involvedObject.name": name, "reason": reason}
-    first_rv: dict[str, int] = {}  # an Event's place in the record: its first resourceVersion (a repeat bumps it)
-    latest: dict[str, Event] = {}
+    # Per Event name: its place in the record (its first resourceVersion; a repeat bumps it) and its latest form.
+    seen: dict[str, tuple[int, Event]] = {}
 
     def ordered() -> list[Event]:
-        return sorted(latest.values(), key=lambda e: first_rv[e.metadata.name])
+        return [e for _, e in sorted(seen.values(), key=lambda p: p[0])]
 
     def record(e: Event) -> None:
-        first_rv.setdefault(e.metadata.name, int(e.metadata.resourceVersion))
-        latest[e.metadata.name] = e
+        first = seen[e.metadata.name][0] if e.metadata.name in seen else int(e.metadata.resourceVersion)
+        seen[e.metadata.name] = (first, e)
 
     try:
         async with asyncio.timeout(timeout):
